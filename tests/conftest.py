@@ -1,0 +1,31 @@
+"""Shared fixtures: paths to the bundled real data (assets/), used by every test."""
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "assets"
+C4_TRAIN = ASSETS / "c4" / "en" / "c4-train.00000-of-01024.json.gz"
+C4_VALIDATION = ASSETS / "c4" / "en" / "c4-validation.00000-of-00008.json.gz"
+SPIECE = ASSETS / "t5" / "spiece.model"
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def spiece_path() -> Path:
+    return SPIECE
+
+
+@pytest.fixture(scope="session")
+def c4_train_path() -> Path:
+    return C4_TRAIN
+
+
+@pytest.fixture(scope="session")
+def c4_validation_path() -> Path:
+    return C4_VALIDATION
