@@ -1,0 +1,91 @@
+"""Step time of the whole engine (real shards, loader, DeepSpeed, logging) per ZeRO config.
+
+Runs `training/pretrain.py` once per DeepSpeed config for a fixed number of steps and prints, per
+run: seconds/step (median of the logging windows after the first two, which hold compilation),
+tokens/s, MFU, peak GPU memory, the time each step waited for the loader, and the last loss. The
+same global batch and seed everywhere, so the last losses must agree across ZeRO stages.
+
+    python benchmarks/engine_step.py --data DIR [--configs zero0,zero1,zero2] [--steps 60]
+        [--nproc 1] [--out runs/bench] [key=value ...]       # extra run-config overrides
+
+Compare with the model alone: `python -m training.benchmark` (same model, synthetic tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from training.metrics import read_metrics  # noqa: E402
+
+
+def run_one(ds_config: str, args: argparse.Namespace, overrides: list[str]) -> dict:
+    out = Path(args.out) / Path(ds_config).stem
+    launcher = [sys.executable]
+    if args.nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
+    cmd = [*launcher, str(REPO / "training/pretrain.py"), "--config", args.config, "--deepspeed_config", ds_config,
+           f"output_dir={out}", f"data.dir={args.data}", f"optim.total_steps={args.steps}",
+           f"optim.warmup_steps={min(10, args.steps - 1)}", f"logging.every_steps={args.log_every}",
+           "eval.every_steps=0", "eval.max_samples=256", "checkpoint.every_steps=0", "logging.wandb=disabled",
+           *overrides]
+    start = time.time()
+    with open(Path(args.out) / f"{Path(ds_config).stem}.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    wall = time.time() - start
+    if proc.returncode != 0:
+        return {"config": ds_config, "error": f"exit {proc.returncode} (see {log.name})", "wall_s": wall}
+    train = read_metrics(out / "metrics.jsonl", "train")
+    steady = train[2:] or train
+    return {
+        "config": Path(ds_config).stem,
+        "s_per_step": statistics.median(r["seconds_per_step"] for r in steady),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "mfu": statistics.median(r["mfu"] for r in steady) if steady[0].get("mfu") is not None else None,
+        "peak_gib": max(r.get("peak_mem_gib") or 0.0 for r in train),
+        "data_wait_ms": 1e3 * statistics.median(r["data_wait_s"] for r in steady),
+        "last_loss": train[-1]["loss"],
+        "wall_s": wall,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="a directory written by data_prep.shard")
+    parser.add_argument("--config", default="training/configs/t5_base_c4.yaml")
+    parser.add_argument("--configs", default="zero0,zero1,zero2", help="ds_configs/<name>.json, comma list")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run")
+    parser.add_argument("--out", default="runs/bench_engine")
+    parser.add_argument("--json", default="", help="append one JSON line per run to this file")
+    args, overrides = parser.parse_known_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    print(f"{'config':<14}{'s/step':>9}{'tokens/s':>11}{'MFU':>7}{'peak GiB':>10}{'wait ms':>9}"
+          f"{'last loss':>11}{'wall s':>8}", flush=True)
+    for name in args.configs.split(","):
+        row = run_one(f"ds_configs/{name}.json", args, overrides)
+        if "error" in row:
+            print(f"{name:<14} {row['error']}", flush=True)
+        else:
+            mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
+            print(f"{row['config']:<14}{row['s_per_step']:>9.4f}{row['tokens_per_s']:>11.0f}{mfu:>7}"
+                  f"{row['peak_gib']:>10.1f}{row['data_wait_ms']:>9.2f}{row['last_loss']:>11.4f}"
+                  f"{row['wall_s']:>8.0f}", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

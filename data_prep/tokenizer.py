@@ -1,0 +1,279 @@
+"""Tokenizers for sharding (SentencePiece model file or Hugging Face tokenizer directory) and a trainer.
+
+Vocabulary convention (T5's): a SentencePiece model has `pieces` ids (32000 for T5: pad=0, eos=1,
+unk=2, no bos). The model side adds 100 sentinels *after* the pieces, counting down:
+`<extra_id_k>` = pieces + 99 - k, so `<extra_id_0>` = 32099 and `<extra_id_99>` = 32000 for T5.
+`vocab_size` recorded in the manifest is pieces + sentinels (32100 for T5); the model pads its
+embedding further (32128). A Hugging Face T5 tokenizer already contains the sentinels, so its
+`len(tokenizer)` is the same 32100.
+
+Train a new model for another language or domain:
+
+    python -m data_prep.tokenizer train --input 'corpus/*.jsonl.gz' --vocab-size 32000 --output my/spiece
+
+writes `my/spiece.model` (+ `.vocab`) with the same special ids as T5 (pad=0, eos=1, unk=2, no bos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+NUM_SENTINELS = 100
+DEFAULT_SPIECE = Path(__file__).resolve().parents[1] / "assets" / "t5" / "spiece.model"
+# Files hashed for a Hugging Face tokenizer directory (in sorted order); weights/configs are not.
+_HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+
+
+def sentinel_id(k: int, num_pieces: int) -> int:
+    """Id of `<extra_id_k>` for a SentencePiece model of `num_pieces` pieces (T5: 32099 - k)."""
+    if not 0 <= k < NUM_SENTINELS:
+        raise ValueError(f"sentinel index must be in [0, {NUM_SENTINELS}), got {k}")
+    return num_pieces + NUM_SENTINELS - 1 - k
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the manifest records about the tokenizer."""
+
+    path: str  # as given (a .model file or a directory)
+    kind: str  # "sentencepiece" or "huggingface"
+    sha256: str  # of the .model file; for a directory: over its tokenizer files, sorted by name
+    vocab_size: int  # ids the model may see: pieces + 100 sentinels (32100 for T5)
+    eos_id: int  # appended after every document (1 for T5)
+    pad_id: int  # 0 for T5
+
+
+def hf_tokenizer_sha256(directory: str | os.PathLike) -> str:
+    """sha256 over (name, sha256(content)) of the tokenizer files of a directory, sorted by name."""
+    h = hashlib.sha256()
+    names = sorted(n for n in os.listdir(directory) if n in _HF_TOKENIZER_FILES)
+    if not names:
+        raise ValueError(f"{directory}: no tokenizer files ({', '.join(_HF_TOKENIZER_FILES)})")
+    for name in names:
+        with open(Path(directory) / name, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        h.update(f"{name}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def tokenizer_sha256(path: str | os.PathLike) -> str:
+    """The hash the manifest records for a tokenizer path (file or HF directory)."""
+    if os.path.isdir(path):
+        return hf_tokenizer_sha256(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read())
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """Batch encoder with the ids and hash the manifest needs. Encodes without BOS/EOS."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = str(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"tokenizer {path!r} not found: pass a SentencePiece .model file or a Hugging Face "
+                f"tokenizer directory (default: {DEFAULT_SPIECE})"
+            )
+        self._sp = None
+        self._hf = None
+        if os.path.isdir(path):
+            from transformers import AutoTokenizer
+
+            self._hf = AutoTokenizer.from_pretrained(path)
+            eos, pad = self._hf.eos_token_id, self._hf.pad_token_id
+            if eos is None:
+                raise ValueError(
+                    f"{path}: tokenizer has no EOS token; sharding appends EOS after each document"
+                )
+            self.info = TokenizerInfo(
+                path, "huggingface", hf_tokenizer_sha256(path), len(self._hf), int(eos), int(pad or 0)
+            )
+        else:
+            import sentencepiece as spm
+
+            self._sp = spm.SentencePieceProcessor(model_file=path)
+            eos = self._sp.eos_id()
+            if eos < 0:
+                raise ValueError(f"{path}: SentencePiece model has no EOS id; train it with eos_id=1")
+            self.info = TokenizerInfo(
+                path,
+                "sentencepiece",
+                tokenizer_sha256(path),
+                self._sp.get_piece_size() + NUM_SENTINELS,
+                eos,
+                max(self._sp.pad_id(), 0),
+            )
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text (no BOS, no EOS), single-threaded (parallelism is across processes)."""
+        if not texts:
+            return []
+        if self._sp is not None:
+            return self._sp.encode(list(texts), num_threads=1)
+        return self._hf(list(texts), add_special_tokens=False)["input_ids"]
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
+    """A `Tokenizer` for a .model file or HF directory (default: the bundled T5 spiece.model)."""
+    return Tokenizer(path if path is not None else DEFAULT_SPIECE)
+
+
+def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer, add_eos: bool = True) -> list[list[int]]:
+    """Token ids of each document, each followed by EOS (as in the shards) unless `add_eos=False`."""
+    ids = tokenizer.encode_batch(list(texts))
+    if add_eos:
+        eos = tokenizer.info.eos_id
+        for doc in ids:
+            doc.append(eos)
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Training a SentencePiece unigram model (T5's special ids)
+
+
+def _iter_training_sentences(input_glob: str, text_field: str, txt_mode: str, max_docs: int) -> Iterator[str]:
+    """Lines of the documents of `input_glob` (SentencePiece trains on sentences, not whole documents)."""
+    from data_prep.sources import payload_to_text, resolve_source
+
+    source = resolve_source(input_glob, kind="files", text_field=text_field, txt_mode=txt_mode)
+    docs = 0
+    for unit in range(source.num_units):
+        fmt = source.unit_format(unit)
+        for record in source.iter_unit(unit):
+            if record.error is not None:
+                logger.warning("%s:%d: %s", source.unit_label(unit), record.line, record.error[1])
+                continue
+            text, _, _ = payload_to_text(fmt, record.payload, text_field)
+            if text is None:
+                continue
+            for line in text.splitlines():
+                if line.strip():
+                    yield line
+            docs += 1
+            if max_docs and docs >= max_docs:
+                return
+
+
+def train_sentencepiece(
+    input_glob: str,
+    vocab_size: int,
+    output_prefix: str,
+    text_field: str = "text",
+    txt_mode: str = "line",
+    max_docs: int = 0,
+    input_sentence_size: int = 10_000_000,
+    character_coverage: float = 0.9999,
+    model_type: str = "unigram",
+    num_threads: int = os.cpu_count() or 1,
+    seed_sentencepiece_size: int = 1_000_000,
+) -> TokenizerInfo:
+    """Train a SentencePiece model with T5's special ids (pad=0, eos=1, unk=2, no bos).
+
+    The 100 sentinels are not pieces of the model: the model side assigns `<extra_id_k>` =
+    vocab_size + 99 - k, as T5 does. Returns the info of the written `{output_prefix}.model`.
+    """
+    import sentencepiece as spm
+
+    if vocab_size < 8:
+        raise ValueError(f"vocab_size must be >= 8, got {vocab_size}")
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_iter_training_sentences(input_glob, text_field, txt_mode, max_docs),
+        model_prefix=output_prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        pad_piece="<pad>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        character_coverage=character_coverage,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=True,
+        seed_sentencepiece_size=seed_sentencepiece_size,
+        num_threads=num_threads,
+        minloglevel=2,
+    )
+    return load_tokenizer(f"{output_prefix}.model").info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data_prep.tokenizer", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a SentencePiece unigram model with T5's special ids")
+    train.add_argument("--input", required=True, help="glob of .jsonl/.json.gz/.txt/.parquet files")
+    train.add_argument(
+        "--vocab-size", type=int, required=True, help="pieces (T5: 32000; +100 sentinels later)"
+    )
+    train.add_argument("--output", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    train.add_argument("--text-field", default="text", help="JSON / parquet field holding the text")
+    train.add_argument("--txt-mode", default="line", choices=["line", "blank-line"])
+    train.add_argument("--max-docs", type=int, default=0, help="read at most this many documents (0: all)")
+    train.add_argument("--input-sentence-size", type=int, default=10_000_000, help="sentences sampled")
+    train.add_argument("--character-coverage", type=float, default=0.9999)
+    train.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
+    train.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    info_cmd = sub.add_parser("info", help="print vocab size, special ids and sha256 of a tokenizer")
+    info_cmd.add_argument("tokenizer", nargs="?", default=str(DEFAULT_SPIECE))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "info":
+        print(asdict(load_tokenizer(args.tokenizer).info))
+        return 0
+    info = train_sentencepiece(
+        args.input,
+        args.vocab_size,
+        args.output,
+        text_field=args.text_field,
+        txt_mode=args.txt_mode,
+        max_docs=args.max_docs,
+        input_sentence_size=args.input_sentence_size,
+        character_coverage=args.character_coverage,
+        model_type=args.model_type,
+        num_threads=args.num_threads,
+    )
+    print(
+        f"wrote {info.path}: {info.vocab_size - NUM_SENTINELS} pieces (+{NUM_SENTINELS} sentinels = "
+        f"vocab_size {info.vocab_size}), eos={info.eos_id} pad={info.pad_id} sha256={info.sha256}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "NUM_SENTINELS",
+    "Tokenizer",
+    "TokenizerInfo",
+    "load_tokenizer",
+    "sentinel_id",
+    "tokenize_documents",
+    "tokenizer_sha256",
+    "train_sentencepiece",
+]

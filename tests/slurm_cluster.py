@@ -1,0 +1,346 @@
+"""A real one-node SLURM cluster for the tests: install it, start its daemons in a private temp dir,
+submit jobs, poll them, stop everything.
+
+    cluster = LocalSlurm.start()          # raises SlurmUnavailable when this machine cannot run one
+    job = cluster.sbatch("slurm/pretrain.sbatch", ["--ntasks=2"], env={...})
+    result = cluster.wait(job)            # JobResult(state="COMPLETED", exit_code=0, signal=0, ...)
+    cluster.stop()
+
+Follows /work/shared/notes/local-slurm.md: Slurm from Debian's `slurmctld slurmd slurm-client munge`
+packages, every path absolute and inside a fresh `mktemp -d`, munge auth on a private socket, the node
+line from `slurmd -C`. The daemons use the fixed ports 6817/6818, so only one LocalSlurm can run on a
+machine at a time; `stop()` must run even when a test fails (the pytest fixture uses a finalizer).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
+BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged"]
+# Fixed by slurm.conf defaults; a leftover daemon from another run holds them.
+PORTS = (6817, 6818)
+
+
+class SlurmUnavailable(RuntimeError):
+    """This machine cannot run a local SLURM (no root, no apt-get, install failed, ports taken)."""
+
+
+@dataclass
+class JobResult:
+    """Final state of a job as `scontrol show job` reports it."""
+
+    job_id: str
+    state: str  # COMPLETED, FAILED, CANCELLED, TIMEOUT, ...
+    exit_code: int  # the batch script's exit code (ExitCode=rc:sig)
+    signal: int  # the signal that ended it, 0 if none
+    restarts: int  # how often it was requeued (Restarts=)
+    fields: dict[str, str]  # everything scontrol printed
+
+
+def missing_binaries() -> list[str]:
+    return [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+
+
+def install(timeout_s: float = 600) -> None:
+    """apt-get install the SLURM packages unless they are present; SlurmUnavailable when it cannot."""
+    if not missing_binaries():
+        return
+    if os.geteuid() != 0:
+        raise SlurmUnavailable(
+            f"SLURM is not installed ({', '.join(missing_binaries())} missing) and installing "
+            "it needs root: run `apt-get install slurmctld slurmd slurm-client munge` as root"
+        )
+    if shutil.which("apt-get") is None:
+        raise SlurmUnavailable("SLURM is not installed and this machine has no apt-get to install it")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    ):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise SlurmUnavailable(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    if missing_binaries():
+        raise SlurmUnavailable(f"installed {PACKAGES} but {missing_binaries()} are still missing")
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (daemons whose parent never reaps them linger as zombies)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _run(
+    cmd: list[str], env: dict[str, str], check: bool = True, timeout: float = 60
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
+    return proc
+
+
+def _parse_scontrol(text: str) -> dict[str, str]:
+    """`Key=Value Key2=Value2 ...` lines into a dict (values without spaces, as scontrol prints them)."""
+    fields = {}
+    for token in text.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            fields[key] = value
+    return fields
+
+
+def stop_stale_clusters() -> None:
+    """Stop the daemons of earlier LocalSlurm runs that never reached stop() (a killed test session).
+
+    Only clusters of this module are touched: those whose pid files live in a `t5ds-slurm-*` temp dir.
+    """
+    for root in Path(tempfile.gettempdir()).glob("t5ds-slurm-*"):
+        pids = []
+        for pid_file in (root / "run").glob("*.pid"):
+            try:
+                pids.append(int(pid_file.read_text().strip()))
+            except (OSError, ValueError):
+                pass
+        if (root / "slurm.conf").exists() and any(_alive(pid) for pid in pids):
+            LocalSlurm(root).stop()
+
+
+class LocalSlurm:
+    """A running slurmctld + slurmd (+ munged) pair with one node and one partition `debug`."""
+
+    def __init__(self, root: Path):
+        self.root = root  # private dir: state/ spool/ log/ run/ munge/ slurm.conf
+        self.conf = root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.node = socket.gethostname().split(".")[0]
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, startup_timeout_s: float = 60) -> LocalSlurm:
+        install()
+        if any(_port_in_use(p) for p in PORTS):
+            stop_stale_clusters()
+        busy = [p for p in PORTS if _port_in_use(p)]
+        if busy:
+            raise SlurmUnavailable(
+                f"ports {busy} are in use (a leftover slurmctld/slurmd?): stop it with "
+                "`scontrol shutdown` (SLURM_CONF pointing at its config) or kill its pid"
+            )
+        root = Path(tempfile.mkdtemp(prefix="t5ds-slurm-"))
+        root.chmod(0o755)  # munged refuses a socket dir that others cannot traverse
+        cluster = cls(root)
+        try:
+            cluster._write_config()
+            cluster._start_daemons(startup_timeout_s)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def _write_config(self) -> None:
+        r = self.root
+        for sub in ("state", "spool", "log", "run", "munge"):
+            (r / sub).mkdir(mode=0o755)
+        key = r / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        # The node line as slurmd measures it; without it RealMemory is 1 MB and any --mem fails.
+        node_line = _run(["slurmd", "-C"], self.env).stdout.splitlines()[0]
+        node_line = re.sub(r"^NodeName=\S+", f"NodeName={self.node}", node_line)
+        self.conf.write_text(f"""\
+ClusterName=t5ds-test
+SlurmctldHost={self.node}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={r}/munge/munge.socket.2
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool/slurmd-%n
+SlurmctldPidFile={r}/run/slurmctld.pid
+SlurmdPidFile={r}/run/slurmd.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+KillWait=5
+MinJobAge=300
+SchedulerParameters=sched_interval=1
+{node_line} NodeAddr=127.0.0.1 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+
+    def _start_daemons(self, timeout_s: float) -> None:
+        r = self.root
+        _run(
+            [
+                "munged",
+                f"--key-file={r}/munge/munge.key",
+                f"--socket={r}/munge/munge.socket.2",
+                f"--pid-file={r}/run/munged.pid",
+                f"--seed-file={r}/munge/munged.seed",
+                f"--log-file={r}/log/munged.log",
+            ],
+            self.env,
+        )
+        _run(["slurmctld", "-f", str(self.conf)], self.env)
+        _run(["slurmd", "-f", str(self.conf)], self.env)
+        deadline = time.monotonic() + timeout_s
+        state = ""
+        while time.monotonic() < deadline:
+            state = _run(["sinfo", "-h", "-o", "%T"], self.env, check=False).stdout.strip()
+            if state == "idle":
+                return
+            time.sleep(0.25)
+        raise RuntimeError(
+            f"the local SLURM node did not become idle in {timeout_s:.0f} s (state {state!r}); "
+            f"logs in {r}/log"
+        )
+
+    def stop(self) -> None:
+        """Shut the daemons down and remove the private dir; safe to call twice or after a failed start."""
+        if self.conf.exists():
+            _run(["scontrol", "shutdown"], self.env, check=False, timeout=30)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and any(_port_in_use(p) for p in PORTS):
+                time.sleep(0.2)
+        # Whatever is still up (shutdown failed, or munged, which scontrol does not stop): by pid file.
+        pids = []
+        for name in ("slurmd", "slurmctld", "munged"):
+            pid_file = self.root / "run" / f"{name}.pid"
+            try:
+                pid = int(pid_file.read_text().strip())
+                if _alive(pid):
+                    os.kill(pid, signal.SIGTERM)
+                    pids.append(pid)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 10  # munged writes its seed file on the way out: let it finish
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- jobs ----------------------------------------------------------------------------------
+    def sbatch(
+        self,
+        script: str | Path,
+        args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+        script_args: list[str] | None = None,
+    ) -> str:
+        """Submit `script` (options in `args` override its #SBATCH lines); returns the job id."""
+        cmd = ["sbatch", "--parsable", *(args or []), str(script), *(script_args or [])]
+        proc = (
+            _run(cmd, {**self.env, **(env or {})}, timeout=30)
+            if cwd is None
+            else subprocess.run(
+                cmd,
+                env={**self.env, **(env or {})},
+                cwd=cwd,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
+        )
+        return proc.stdout.strip().split(";")[0]
+
+    def show_job(self, job_id: str) -> dict[str, str]:
+        proc = _run(["scontrol", "-o", "show", "job", job_id], self.env, check=False)
+        return _parse_scontrol(proc.stdout) if proc.returncode == 0 else {}
+
+    def is_queued(self, job_id: str) -> bool:
+        """Pending, running, completing or requeued (squeue still lists it)."""
+        return bool(_run(["squeue", "-h", "-j", job_id], self.env, check=False).stdout.strip())
+
+    def wait(
+        self, job_id: str, timeout_s: float = 300, poll_s: float = 0.5, release_held: bool = True
+    ) -> JobResult:
+        """Poll squeue every `poll_s` until the job left the queue, then read its final state.
+
+        `release_held`: a requeued job waits ~120 s for its EligibleTime; move its start to now (what
+        a cluster's scheduler would do when the node is free) so that tests do not idle.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.is_queued(job_id):
+            if time.monotonic() > deadline:
+                fields = self.show_job(job_id)
+                _run(["scancel", job_id], self.env, check=False)
+                raise TimeoutError(
+                    f"job {job_id} still {fields.get('JobState')} after {timeout_s:.0f} s "
+                    f"(reason {fields.get('Reason')}); cancelled it"
+                )
+            if release_held:
+                fields = self.show_job(job_id)
+                if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
+                    self.scontrol("update", f"JobId={job_id}", "StartTime=now", check=False)
+            time.sleep(poll_s)
+        return self.result(job_id)
+
+    def result(self, job_id: str) -> JobResult:
+        fields = self.show_job(job_id)
+        if not fields:
+            raise RuntimeError(f"scontrol no longer knows job {job_id} (MinJobAge passed?)")
+        rc, _, sig = fields.get("ExitCode", "0:0").partition(":")
+        return JobResult(
+            job_id=job_id,
+            state=fields.get("JobState", "?"),
+            exit_code=int(rc),
+            signal=int(sig or 0),
+            restarts=int(fields.get("Restarts", "0")),
+            fields=fields,
+        )
+
+    def wait_running(self, job_id: str, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.show_job(job_id).get("JobState") != "RUNNING":
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {job_id} did not start in {timeout_s:.0f} s: {self.show_job(job_id)}"
+                )
+            time.sleep(0.25)
+
+    def scancel(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return _run(["scancel", *args], self.env, check=check)
+
+    def scontrol(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return _run(["scontrol", *args], self.env, check=check)
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        """The daemons' logs, for failure messages."""
+        parts = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.root / "log" / name
+            if path.exists():
+                parts.append(f"--- {name}\n{path.read_text(errors='replace')[-n_chars:]}")
+        return "\n".join(parts)

@@ -1,0 +1,230 @@
+"""Our T5 on its own: buckets, masks, generation, presets, FLOPs, config, fused cross-entropy."""
+
+import math
+
+import pytest
+import torch
+
+from training.model import T5Config, T5ForConditionalGeneration
+from training.model.attention import relative_position_bucket
+from training.model.cross_entropy import fused_linear_cross_entropy
+from training.model.flops import model_flops_per_step
+
+
+def mesh_tf_bucket(rel: int, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> int:
+    """Scalar transcription of Mesh TF `_relative_position_bucket` (n = -relative_position)."""
+    ret = 0
+    n = -rel
+    if bidirectional:
+        num_buckets //= 2
+        ret += (n < 0) * num_buckets
+        n = abs(n)
+    else:
+        n = max(n, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return ret + n
+    val = max_exact + int(
+        math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    )
+    return ret + min(val, num_buckets - 1)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_bucket_matches_reference(bidirectional):
+    rel = torch.arange(-600, 601)
+    ours = relative_position_bucket(rel, bidirectional=bidirectional)
+    expected = torch.tensor([mesh_tf_bucket(int(r), bidirectional) for r in rel])
+    assert torch.equal(ours, expected)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket(
+        rel, bidirectional=bidirectional
+    )
+    assert torch.equal(ours, hf)
+    assert (
+        ours.min() >= 0 and ours.max() == 31 and len(ours.unique()) == (31 if bidirectional else 32)
+    )  # +0 never occurs
+
+
+def _tiny(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
+    torch.manual_seed(seed)
+    return T5ForConditionalGeneration(
+        T5Config.from_preset("tiny", attention_backend="math", **overrides)
+    ).eval()
+
+
+def test_causal_mask_future_decoder_token_does_not_change_earlier_logits():
+    model = _tiny()
+    input_ids = torch.randint(2, 32128, (2, 11))
+    dec = torch.randint(2, 32128, (2, 9))
+    changed = dec.clone()
+    changed[:, 5] = (changed[:, 5] + 17) % 32128
+    a = model(input_ids, decoder_input_ids=dec).logits
+    b = model(input_ids, decoder_input_ids=changed).logits
+    torch.testing.assert_close(a[:, :5], b[:, :5], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+def test_padding_the_encoder_input_leaves_logits_unchanged():
+    model = _tiny()
+    input_ids = torch.randint(2, 32128, (1, 10))
+    dec = torch.randint(2, 32128, (1, 6))
+    ref = model(input_ids, decoder_input_ids=dec).logits
+    padded = torch.cat([input_ids, torch.zeros(1, 5, dtype=torch.long)], dim=1)
+    mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 5)], dim=1).long()
+    out = model(padded, attention_mask=mask, decoder_input_ids=dec).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    unmasked = model(padded, decoder_input_ids=dec).logits
+    assert not torch.allclose(unmasked, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_labels_shift_right_and_ignore_index():
+    model = _tiny()
+    labels = torch.tensor([[5, 6, 1, -100, -100]])
+    assert model.shift_right(labels).tolist() == [[0, 5, 6, 1, 0]]
+    input_ids = torch.randint(2, 32128, (1, 8))
+    out = model(input_ids, labels=labels)
+    logits = out.logits[0, :3]
+    expected = torch.nn.functional.cross_entropy(logits, labels[0, :3])
+    torch.testing.assert_close(out.loss, expected)
+
+
+def _generate_without_cache(model, input_ids, attention_mask, max_new_tokens):
+    config = model.config
+    out = torch.full((input_ids.shape[0], 1), config.decoder_start_token_id)
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits = model(input_ids, attention_mask=attention_mask, decoder_input_ids=out).logits[:, -1]
+        nxt = torch.where(
+            finished, torch.full_like(finished, config.pad_token_id, dtype=torch.long), logits.argmax(-1)
+        )
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        finished |= nxt == config.eos_token_id
+        if finished.all():
+            break
+    return out
+
+
+def test_generate_with_cache_equals_step_by_step_argmax():
+    model = _tiny(seed=1)
+    input_ids = torch.randint(2, 32128, (3, 9))
+    mask = torch.ones_like(input_ids)
+    mask[0, -3:] = 0
+    with torch.no_grad():
+        expected = _generate_without_cache(model, input_ids, mask, 8)
+    got = model.generate(input_ids, attention_mask=mask, max_new_tokens=8)
+    assert torch.equal(got, expected)
+    assert got.shape == (3, 9)
+
+
+def test_generate_stops_at_eos_and_pads_after():
+    model = _tiny(seed=2)
+    with torch.no_grad():  # make EOS the argmax whenever the hidden state's first feature is positive
+        model.lm_head.weight[model.config.eos_token_id] = 0.0
+        model.lm_head.weight[model.config.eos_token_id, 0] = 1e4
+    input_ids = torch.randint(2, 32128, (4, 7))
+    with torch.no_grad():
+        expected = _generate_without_cache(model, input_ids, None, 10)
+    got = model.generate(input_ids, max_new_tokens=10)
+    assert torch.equal(got, expected)
+    eos_rows = (got == 1).any(dim=1)
+    assert eos_rows.any()
+    for row in got[eos_rows]:
+        first = int((row == 1).nonzero()[0])
+        assert (row[first + 1 :] == 0).all()
+
+
+def _hf_parameter_count(config: T5Config) -> int:
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        hf = transformers.T5ForConditionalGeneration(transformers.T5Config(**config.to_hf_config()))
+    shared = sum(p.numel() for p in hf.parameters())
+    return shared + (0 if config.tie_word_embeddings else config.vocab_size * config.d_model)  # untied head
+
+
+@pytest.mark.parametrize("preset", ["small", "base"])
+def test_preset_parameter_counts_match_hf(preset):
+    config = T5Config.from_preset(preset)
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    assert model.num_parameters() == _hf_parameter_count(config)
+    if preset == "base":
+        assert model.num_parameters() == 247_577_856  # "247.6M" (google/t5-v1_1-base)
+
+
+def test_model_flops_per_step_reproduces_anchor():
+    flops = model_flops_per_step(T5Config.from_preset("base"), 128, 512, 114)
+    assert abs(flops / 5.45e13 - 1) < 0.01
+
+
+def test_config_validation_and_hf_round_trip():
+    with pytest.raises(ValueError, match="feed_forward_proj"):
+        T5Config(feed_forward_proj="swiglu")
+    with pytest.raises(ValueError, match="attention_backend"):
+        T5Config(attention_backend="cuda")
+    with pytest.raises(ValueError, match="preset"):
+        T5Config.from_preset("huge")
+    config = T5Config.from_preset("large", dropout_rate=0.1)
+    assert (config.d_model, config.d_ff, config.num_layers, config.num_decoder_layers, config.num_heads) == (
+        1024,
+        2816,
+        24,
+        24,
+        16,
+    )
+    back = T5Config.from_hf_config(config.to_hf_config())
+    assert back == config
+    # An HF v1.1 config.json as published (no decoder_start_token_id, "gated-gelu", untied).
+    hf_json = {
+        "d_model": 768,
+        "d_ff": 2048,
+        "num_layers": 12,
+        "num_heads": 12,
+        "d_kv": 64,
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+        "vocab_size": 32128,
+        "dropout_rate": 0.1,
+        "model_type": "t5",
+    }
+    assert T5Config.from_hf_config(hf_json, dropout_rate=0.0) == T5Config.from_preset("base")
+    original = T5Config.from_hf_config(
+        {"feed_forward_proj": "relu", "d_model": 512, "d_ff": 2048, "num_layers": 6, "num_heads": 8}
+    )
+    assert original.tie_word_embeddings and original.scale_decoder_outputs
+
+
+def test_fused_cross_entropy_matches_reference_loss_and_grads():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(1000, 16, requires_grad=True)
+    labels = torch.randint(0, 1000, (37,))
+    labels[::5] = -100
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=8)
+    (2.0 * loss).backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(h2 @ w2.t(), labels, ignore_index=-100)
+    (2.0 * ref).backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(hidden.grad, h2.grad)
+    torch.testing.assert_close(weight.grad, w2.grad)
+
+
+def test_init_statistics_follow_t5_v11():
+    config = T5Config.from_preset("tiny", d_model=256, d_ff=512)
+    model = T5ForConditionalGeneration(config)
+    attn = model.encoder.block[0].layer[0].SelfAttention
+    ff = model.encoder.block[0].layer[-1].DenseReluDense
+    checks = {
+        model.shared.weight: 1.0,
+        model.lm_head.weight: 1.0,
+        attn.q.weight: (256 * 16) ** -0.5,
+        attn.k.weight: 256**-0.5,
+        attn.o.weight: (4 * 16) ** -0.5,
+        ff.wi_0.weight: 256**-0.5,
+        ff.wo.weight: 512**-0.5,
+    }
+    for tensor, std in checks.items():
+        assert abs(float(tensor.std()) / std - 1) < 0.1
+    assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(256))
+    assert model.lm_head.weight is not model.shared.weight

@@ -1,0 +1,233 @@
+"""End-to-end tests of `training/pretrain.py` on CPU: real bundled C4 shards, the tiny model,
+DeepSpeed with gloo, 1 and 2 ranks. Resume exactness, SIGTERM, non-finite stop, export, plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.export import checkpoint_state_dict
+from training.metrics import read_metrics
+from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 10
+# Log every step, checkpoint at 5 and 10, no periodic evaluation (the final one still runs).
+BASE = [
+    f"optim.total_steps={STEPS}", "optim.warmup_steps=2", "optim.batch_size=8", "logging.every_steps=1",
+    "eval.every_steps=0", "eval.max_samples=16", "eval.batch_size=8", "checkpoint.every_steps=5",
+    "checkpoint.keep_last=5", "data.input_length=64", "data.num_workers=1",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(out: Path, shards: Path, extra: list[str], nproc: int, ds_config: str) -> list[str]:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                     str(_free_port())]
+    return [*launcher, "training/pretrain.py", "--config", "training/configs/tiny_demo.yaml",
+            "--deepspeed_config", ds_config, f"output_dir={out}", f"data.dir={shards}", *BASE, *extra]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # Other tests set rendezvous variables in this process; a child must pick its own.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def train(out: Path, shards: Path, *extra: str, nproc: int = 1, ds_config: str = "ds_configs/zero0.json",
+          expect: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_command(out, shards, list(extra), nproc, ds_config), cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == expect, f"exit {proc.returncode}, expected {expect}\n{proc.stdout[-3000:]}\n" \
+                                      f"{proc.stderr[-6000:]}"
+    return proc
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Training loss per step; a step logged twice (resumed run) keeps its last record."""
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl", "train")}
+
+
+def final_weights(run: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return checkpoint_state_dict(run / "checkpoints" / f"step_{step:08d}")
+
+
+def assert_weights_close(a: dict, b: dict, rtol: float) -> None:
+    """Every tensor within `rtol` of the other, relative to the tensor's norm.
+
+    Element-wise comparisons across world sizes or ZeRO stages are too strict here: after 10 steps
+    at lr 2e-2, Adam turns last-bit differences of near-zero gradients into update differences of a
+    few 1e-4 on single elements (plain torch AdamW shows the same); the optimizer-level parity at
+    1e-5 element-wise is tests/test_optim_zero.py.
+    """
+    assert a.keys() == b.keys()
+    for name in a:
+        diff = torch.linalg.vector_norm(a[name] - b[name]) / torch.linalg.vector_norm(b[name])
+        assert diff <= rtol, (name, float(diff))
+
+
+def copy_run_until(src: Path, dst: Path, step: int) -> None:
+    """A copy of a run directory as it was right after the checkpoint at `step`."""
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints" / f"step_{step:08d}", dst / "checkpoints" / f"step_{step:08d}")
+    (dst / "checkpoints" / "latest").write_text(f"step_{step:08d}")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "c4"
+    subprocess.run([sys.executable, "-m", "data_prep.shard", "--input", "assets/c4/en/c4-*.json.gz",
+                    "--tokenizer", "assets/t5/spiece.model", "--output", str(out), "--input-length", "64",
+                    "--rows-per-shard", "1024", "--workers", "1"], cwd=REPO, env=_env(), check=True,
+                   capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_run(shards, tmp_path_factory) -> Path:
+    """10 uninterrupted steps on one rank (ZeRO 0), checkpoints at 5 and 10."""
+    out = tmp_path_factory.mktemp("runs") / "reference"
+    train(out, shards)
+    return out
+
+
+def test_reference_run_logs_and_learns(reference_run):
+    train_records = read_metrics(reference_run / "metrics.jsonl", "train")
+    assert [r["step"] for r in train_records] == list(range(1, STEPS + 1))
+    for r in train_records:
+        for key in ("loss", "lr", "grad_l2", "tokens_per_s", "weights_l2", "seconds_per_step"):
+            assert r[key] is not None and r[key] == r[key], (key, r)
+    assert train_records[-1]["loss"] < train_records[0]["loss"]
+    evals = read_metrics(reference_run / "metrics.jsonl", "eval")
+    assert evals and evals[-1]["step"] == STEPS and 0 <= evals[-1]["eval_accuracy"] <= 1
+    assert (reference_run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    assert (reference_run / "config.yaml").is_file() and (reference_run / "model_config.json").is_file()
+
+
+def test_resume_continues_exactly(reference_run, shards, tmp_path):
+    """5 steps, stop, resume, 5 steps == 10 straight steps: same losses, same weights."""
+    resumed = tmp_path / "resumed"
+    copy_run_until(reference_run, resumed, 5)
+    train(resumed, shards)
+    ref, got = losses(reference_run), losses(resumed)
+    assert sorted(got) == list(range(6, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-6), step
+    assert_weights_close(final_weights(resumed), final_weights(reference_run), rtol=1e-6)
+
+
+def test_two_ranks_match_one_and_resume_on_one(reference_run, shards, tmp_path):
+    """2 gloo ranks see the same global batches as 1 rank; a 2-rank checkpoint resumes on 1 rank."""
+    two = tmp_path / "two_ranks"
+    train(two, shards, nproc=2)
+    ref, got = losses(reference_run), losses(two)
+    for step in range(1, STEPS + 1):
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step
+    resumed = tmp_path / "resumed_on_one"
+    copy_run_until(two, resumed, 5)
+    train(resumed, shards, nproc=1)
+    got_resumed = losses(resumed)
+    for step in range(6, STEPS + 1):
+        assert got_resumed[step] == pytest.approx(got[step], rel=1e-4), step
+    assert_weights_close(final_weights(resumed), final_weights(two), rtol=1e-4)
+
+
+@pytest.mark.parametrize("ds_config", ["ds_configs/zero1.json", "ds_configs/zero2.json"])
+def test_zero_stages_on_two_ranks_match_zero0(reference_run, shards, tmp_path, ds_config):
+    run = tmp_path / Path(ds_config).stem
+    train(run, shards, nproc=2, ds_config=ds_config)
+    ref, got = losses(reference_run), losses(run)
+    for step in range(1, STEPS + 1):
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step
+    assert_weights_close(final_weights(run), final_weights(reference_run), rtol=1e-4)
+
+
+def test_sigterm_checkpoints_requeues_and_resumes(reference_run, shards, tmp_path):
+    run = tmp_path / "preempted"
+    proc = subprocess.Popen(_command(run, shards, ["checkpoint.every_steps=0"], 1, "ds_configs/zero0.json"),
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.jsonl").is_file() and losses(run) and max(losses(run)) >= 3:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_REQUEUE, output[-3000:]
+    stopped_at = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 3 <= stopped_at < STEPS
+    train(run, shards, "checkpoint.every_steps=0")
+    ref, got = losses(reference_run), losses(run)
+    for step in range(stopped_at + 1, STEPS + 1):
+        assert got[step] == pytest.approx(ref[step], rel=1e-6), step
+    assert_weights_close(final_weights(run), final_weights(reference_run), rtol=1e-6)
+    events = [r["event"] for r in read_metrics(run / "metrics.jsonl", "event")]
+    assert "resume" in events
+
+
+def test_nonfinite_updates_are_skipped_then_stop_the_run(shards, tmp_path):
+    run = tmp_path / "diverged"
+    proc = train(run, shards, "optim.name=adamw", "optim.base_lr=1e30", "optim.grad_clip=0",
+                 "optim.max_nonfinite_steps=3", "optim.warmup_steps=0", expect=EXIT_NONFINITE)
+    assert "non-finite" in proc.stderr
+    events = read_metrics(run / "metrics.jsonl", "event")
+    assert any(e["event"] == "nonfinite_stop" and e["skipped_steps"] >= 3 for e in events)
+
+
+def test_export_loads_in_transformers(reference_run, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import T5ForConditionalGeneration as HFT5
+
+    from training.export import load_run_model
+
+    out = tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "training.export", str(reference_run), str(out)], cwd=REPO,
+                   env=_env(), check=True, capture_output=True)
+    ours, _ = load_run_model(reference_run)
+    hf = HFT5.from_pretrained(out)
+    # transformers 5 ties lm_head to shared on load; T5 v1.1's head is untied (docs/model.md):
+    # give it back its own weights from the exported file.
+    hf.config.tie_word_embeddings = False
+    hf.lm_head.weight = torch.nn.Parameter(load_file(out / "model.safetensors")["lm_head.weight"])
+    assert not torch.equal(hf.lm_head.weight, hf.shared.weight)
+    ids = torch.randint(2, 32000, (2, 12))
+    labels = torch.randint(2, 32000, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids, labels=labels).logits,
+                                   ours(input_ids=ids, labels=labels).logits, rtol=1e-5, atol=1e-5)
+    # a second export into the same, now non-empty, directory refuses and writes nothing
+    proc = subprocess.run([sys.executable, "-m", "training.export", str(reference_run), str(out)], cwd=REPO,
+                          env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "not empty" in proc.stderr
+
+
+def test_plot_metrics_writes_an_image(reference_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from training.plot_metrics import curves, main
+
+    c = curves(reference_run)
+    assert c["train"][0] == list(range(1, STEPS + 1)) and c["eval"][0] == [STEPS]
+    image = tmp_path / "loss.png"
+    assert main([str(reference_run), "--out", str(image)]) == 0
+    assert image.stat().st_size > 1000
+    assert json.loads((reference_run / "model_config.json").read_text())["d_model"] > 0

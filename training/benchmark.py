@@ -1,0 +1,315 @@
+"""Training-step benchmark of our T5 on one GPU: seconds/step, tokens/s, model TFLOP/s, MFU, peak memory.
+
+One step = forward + backward + grad-norm clipping + optimizer step (RMS-scaled AdamW from
+training.optim when available) on synthetic tokens, bf16 autocast, TF32 on, fp32 master weights.
+MFU is measured against a bf16 8192^3 matmul timed in the same run.
+
+    python -m training.benchmark                                  # base, batch 128, 512 -> 114, all fast paths
+    python -m training.benchmark --attention sdpa --no-fused-ce
+    python -m training.benchmark --variants "triton;sdpa;triton,nocompile;triton,bs=256"
+
+A variant is a comma list of: an attention backend (triton|sdpa|flex|math), compile|nocompile,
+fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode). Each variant prints one table row; --json
+appends one JSON object per variant to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from training.model import T5Config, T5ForConditionalGeneration
+from training.model.flops import model_flops_per_step
+
+
+def matmul_ceiling_tflops(device: torch.device, n: int = 8192, iters: int = 20) -> float:
+    """Achieved bf16 TFLOP/s of an n^3 matmul: the practical ceiling MFU is reported against."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+
+
+def build_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "adamwscale":
+        try:
+            from training.optim import build_optimizer as build
+        except ImportError:  # the optimizer package is not there: fall back, say so in the output
+            name = "adamw"
+        else:
+            return build("adamwscale", model, lr=2e-2, weight_decay=0.0)
+    return torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.0, fused=True)
+
+
+def parse_variant(spec: str, args: argparse.Namespace) -> dict:
+    variant = dict(
+        attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
+        mode=args.compile_mode,
+    )  # fmt: skip
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        if item in ("triton", "sdpa", "flex", "math"):
+            variant["attention"] = item
+        elif item in ("compile", "nocompile"):
+            variant["compile"] = item == "compile"
+        elif item in ("fusedce", "nofusedce"):
+            variant["fused_ce"] = item == "fusedce"
+        elif item.startswith("bs="):
+            variant["batch_size"] = int(item[3:])
+        elif item.startswith("mode="):
+            variant["mode"] = item[5:]
+        else:
+            raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
+    return variant
+
+
+def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    config = T5Config.from_preset(args.preset, attention_backend=variant["attention"])
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config).to(device)
+    optimizer = build_optimizer(model, args.optimizer)
+    bs, src, tgt = variant["batch_size"], args.input_length, args.target_length
+    input_ids = torch.randint(2, config.vocab_size, (bs, src), device=device)
+    labels = torch.randint(2, config.vocab_size, (bs, tgt), device=device)
+    labels[:, -1] = config.eos_token_id
+    return_logits = not variant["fused_ce"]
+
+    def loss_fn(ids, lab):
+        return model(ids, labels=lab, return_logits=return_logits).loss
+
+    if variant["compile"]:
+        loss_fn = torch.compile(loss_fn, mode=variant["mode"] or None, fullgraph=args.fullgraph)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(input_ids, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    loss = step()
+    torch.cuda.synchronize()
+    first_step_s = time.perf_counter() - t0
+    for _ in range(args.warmup - 1):
+        loss = step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    sec = statistics.median(times)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        print(table, flush=True)
+        if args.profile != "-":
+            with open(args.profile, "a") as f:
+                f.write(f"{variant}\n{table}\n")
+    flops = model_flops_per_step(config, bs, src, tgt)
+    result = dict(
+        variant=variant, s_per_step=sec, tokens_per_s=bs * (src + tgt) / sec, model_tflops=flops / sec / 1e12,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30, first_step_s=first_step_s, final_loss=float(loss.detach()),
+        optimizer=type(optimizer).__name__,
+    )  # fmt: skip
+    return result
+
+
+def _time_cuda(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def attention_microbenchmark(
+    batch_size: int, seq: int, heads: int = 12, d_kv: int = 64, iters: int = 20
+) -> None:
+    """Time one encoder self-attention (bias + its gradient) per backend, and sweep the kernel tiles."""
+    from training.model import triton_attention as ta
+    from training.model.attention import attention
+
+    device = torch.device("cuda")
+    q, k, v = (
+        torch.randn(batch_size, seq, heads, d_kv, device=device, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    bias = torch.randn(heads, seq, seq, device=device, requires_grad=True)
+    dout = torch.randn_like(q)
+    flops = 4 * batch_size * heads * seq * seq * d_kv  # forward QK^T + PV; backward is 2.5x (recomputes QK^T)
+
+    def report(name: str, fwd_s: float, total_s: float) -> None:
+        print(f"# {name}: fwd {fwd_s * 1e3:.2f} ms ({flops / fwd_s / 1e12:.0f} TFLOP/s), "
+              f"bwd {(total_s - fwd_s) * 1e3:.2f} ms ({2.5 * flops / (total_s - fwd_s) / 1e12:.0f} TFLOP/s)",
+              flush=True)  # fmt: skip
+
+    for backend in ("sdpa", "triton"):
+        try:
+            with torch.no_grad():
+                fwd = _time_cuda(lambda b=backend: attention(q, k, v, bias, None, False, b), iters)
+            total = _time_cuda(
+                lambda b=backend: torch.autograd.backward(attention(q, k, v, bias, None, False, b), dout),
+                iters,
+            )
+            report(f"{backend} b{batch_size} s{seq}", fwd, total)
+        except Exception as e:  # noqa: BLE001
+            print(f"# attention {backend}: {type(e).__name__}: {str(e)[:200]}")
+    defaults = {n: getattr(ta, n) for n in dir(ta) if n.startswith(("FWD_", "BWD_"))}
+    fwd_configs = [
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (64, 64, 4, 3),
+        (128, 128, 8, 3),
+        (128, 32, 4, 4),
+        (64, 32, 4, 4),
+    ]
+    for bm, bn, w, st in fwd_configs:
+        ta.FWD_BLOCK_M, ta.FWD_BLOCK_N, ta.FWD_WARPS, ta.FWD_STAGES = bm, bn, w, st
+        with torch.no_grad():
+            fwd = _time_cuda(lambda: attention(q, k, v, bias, None, False, "triton"), iters)
+        print(f"# fwd tiles bm{bm} bn{bn} w{w} s{st}: {fwd * 1e3:.2f} ms ({flops / fwd / 1e12:.0f} TFLOP/s)")
+    for name, value in defaults.items():
+        setattr(ta, name, value)
+    with torch.no_grad():
+        fwd = _time_cuda(lambda: attention(q, k, v, bias, None, False, "triton"), iters)
+    bwd_configs = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2)]
+    for bm, bn, w, st in bwd_configs:  # dK/dV and dQ kernels
+        ta.BWD_BLOCK_M, ta.BWD_BLOCK_N, ta.BWD_WARPS, ta.BWD_STAGES = bm, bn, w, st
+        try:
+            total = _time_cuda(
+                lambda: torch.autograd.backward(attention(q, k, v, None, None, False, "triton"), dout), iters
+            )
+            report(f"bwd (no bias) tiles bm{bm} bn{bn} w{w} s{st}", fwd, total)
+        except Exception as e:  # noqa: BLE001
+            print(f"# bwd tiles {bm},{bn},{w},{st}: {type(e).__name__}: {str(e)[:200]}")
+    for name, value in defaults.items():
+        setattr(ta, name, value)
+    dbias_configs = [
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (128, 64, 8, 2),
+        (64, 128, 8, 2),
+        (128, 128, 8, 2),
+        (32, 64, 4, 2),
+    ]
+    for bm, bn, w, st in dbias_configs:
+        ta.DBIAS_BLOCK_M, ta.DBIAS_BLOCK_N, ta.DBIAS_WARPS, ta.DBIAS_STAGES = bm, bn, w, st
+        try:
+            total = _time_cuda(
+                lambda: torch.autograd.backward(attention(q, k, v, bias, None, False, "triton"), dout), iters
+            )
+            report(f"bwd (bias) dbias tiles bm{bm} bn{bn} w{w} s{st}", fwd, total)
+        except Exception as e:  # noqa: BLE001
+            print(f"# dbias tiles {bm},{bn},{w},{st}: {type(e).__name__}: {str(e)[:200]}")
+    for name, value in defaults.items():
+        setattr(ta, name, value)
+    nobias = _time_cuda(
+        lambda: torch.autograd.backward(attention(q, k, v, None, None, False, "triton"), dout), iters
+    )
+    report("triton without bias", fwd, nobias)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="base")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--input-length", type=int, default=512)
+    parser.add_argument("--target-length", type=int, default=114)
+    parser.add_argument("--attention", default="triton", choices=["triton", "sdpa", "flex", "math"])
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--compile-mode", default="", help="torch.compile mode, e.g. max-autotune-no-cudagraphs"
+    )
+    parser.add_argument("--fullgraph", action=argparse.BooleanOptionalAction, default=True,
+                        help="fail on a graph break instead of silently splitting the step")  # fmt: skip
+    parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--optimizer", default="adamwscale", choices=["adamwscale", "adamw"])
+    parser.add_argument("--steps", type=int, default=15, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--variants", default="", help="';'-separated variant specs (see module doc)")
+    parser.add_argument(
+        "--profile", default="", help="profile 3 steps; print the kernel table (and append to FILE)"
+    )
+    parser.add_argument(
+        "--attention-micro", action="store_true", help="also time the attention kernels alone"
+    )
+    parser.add_argument("--json", default="", help="append one JSON line per variant to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("training.benchmark needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+    ceiling = matmul_ceiling_tflops(device)
+    print(
+        f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 8192^3 matmul {ceiling:.0f} TFLOP/s"
+    )
+    print(f"# T5 {args.preset}, inputs {args.input_length}, targets {args.target_length}, bf16 autocast, "
+          f"{args.optimizer} + clip, median of {args.steps} after {args.warmup} warm-up")  # fmt: skip
+    if args.attention_micro:
+        attention_microbenchmark(args.batch_size, args.input_length)
+    print(
+        "| attention | compile | fused CE | batch | s/step | tokens/s | model TFLOP/s | MFU | peak GiB | 1st step s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for spec in args.variants.split(";") if args.variants else [""]:
+        variant = parse_variant(spec, args)
+        try:
+            r = run_variant(variant, args, device)
+        except torch.cuda.OutOfMemoryError:
+            r = dict(
+                variant=variant, error="out of memory", peak_gib=torch.cuda.max_memory_allocated() / 2**30
+            )
+        except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
+            r = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
+        v = variant
+        head = f"| {v['attention']} | {'yes' + (' ' + v['mode'] if v['mode'] else '') if v['compile'] else 'no'} | "
+        head += f"{'yes' if v['fused_ce'] else 'no'} | {v['batch_size']} |"
+        if "error" in r:
+            print(f"{head} {r['error']} | | | | {r.get('peak_gib', 0):.1f} | |", flush=True)
+        else:
+            r["mfu"] = r["model_tflops"] / ceiling
+            print(f"{head} {r['s_per_step']:.4f} | {r['tokens_per_s'] / 1e3:.0f}k | {r['model_tflops']:.0f} | "
+                  f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['first_step_s']:.0f} |", flush=True)  # fmt: skip
+        r["matmul_ceiling_tflops"] = ceiling
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(r) + "\n")
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,583 @@
+"""Run configuration: typed, validated dataclasses loaded from YAML plus `key=value` overrides.
+
+    cfg = load_run_config("training/configs/t5_base_c4.yaml", ["optim.base_lr=1e-2", "model.preset=small"])
+
+A YAML file holds the sections below (any key left out keeps its default). `extends: other.yaml`
+(a path relative to the file) inherits another config; the file's own keys win, section by section.
+Overrides name a key as `section.field=value` (or `field=value` for top-level keys); the value is
+parsed by the field's type: ints, floats (`2e-2`), bools (`true/false`), strings, `null`/`none` for
+optional fields, comma-separated tuples (`optim.betas=0.9,0.999`). Unknown keys and ill-typed values
+are errors that list what is valid.
+
+Run `python -m training.config CONFIG.yaml [key=value ...]` to print the resolved config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+# Mirrors of training.model.config's choices (kept in sync by tests/test_config.py), so that a typo
+# fails at config load, before any process group or model is built.
+MODEL_PRESETS = ("tiny", "small", "base", "large", "xl", "xxl")
+ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton")
+DEVICES = ("auto", "cuda", "cpu")
+PRECISIONS = ("bf16", "fp32")
+OPTIMIZERS = ("adamwscale", "adamw", "adafactor")
+LR_SCHEDULERS = ("cosine", "legacy", "constant", "linear")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message says how to fix it."""
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; use one of: {', '.join(choices)}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "base"
+    """Model size: tiny | small | base | large | xl | xxl (the presets of training.model.T5Config)."""
+    dropout_rate: float = 0.0
+    """Dropout probability in [0, 1). nanoT5 pre-trains with 0.0; T5 fine-tuning used 0.1."""
+    attention_backend: str = "auto"
+    """Attention implementation: auto (picks per device) | math | sdpa | flex | triton (training.model)."""
+    compile: bool = True
+    """torch.compile the model. Ignored on CPU (compilation there costs more than it saves)."""
+    init_from: str | None = None
+    """Optional weights to start from: a Hugging Face model dir or a nanoT5 state dict (.pt/.bin)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model.preset", self.preset, MODEL_PRESETS)
+        _check(
+            0.0 <= self.dropout_rate < 1.0,
+            f"model.dropout_rate={self.dropout_rate} must be in [0, 1); 0.0 is the pre-training default",
+        )
+        _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check(
+            self.init_from is None or bool(self.init_from),
+            "model.init_from must be a path or null",
+        )
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/c4_shards"
+    """Directory written by `python -m data_prep.shard` (manifest.json, train/, validation/)."""
+    tokenizer: str = "assets/t5/spiece.model"
+    """SentencePiece model; its sha256 must match the one recorded in the shard manifest."""
+    input_length: int = 512
+    """Encoder input length in tokens after span corruption (the raw row is longer: 568 for 512)."""
+    noise_density: float = 0.15
+    """Fraction of raw tokens masked by span corruption, in (0, 1)."""
+    mean_noise_span_length: float = 3.0
+    """Mean masked span length in tokens (>= 1)."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank (0 = load in the training process)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.dir), "data.dir must name the shard directory written by data_prep.shard")
+        _check(bool(self.tokenizer), "data.tokenizer must name a SentencePiece .model file")
+        _check(self.input_length >= 8, f"data.input_length={self.input_length} must be >= 8 tokens")
+        _check(
+            0.0 < self.noise_density < 1.0,
+            f"data.noise_density={self.noise_density} must be in (0, 1); T5 uses 0.15",
+        )
+        _check(
+            self.mean_noise_span_length >= 1.0,
+            f"data.mean_noise_span_length={self.mean_noise_span_length} must be >= 1; T5 uses 3.0",
+        )
+        _check(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamwscale"
+    """Optimizer: adamwscale (nanoT5's AdamW with RMS-scaled lr) | adamw | adafactor."""
+    base_lr: float = 2e-2
+    """Peak learning rate (after warmup). 2e-2 is nanoT5's value for adamwscale."""
+    batch_size: int = 128
+    """GLOBAL batch in sequences per optimizer step = micro_batch * grad_acc * world_size."""
+    grad_acc: int = 1
+    """Gradient accumulation steps (micro-batches per optimizer step on each rank)."""
+    total_steps: int = 65536
+    """Optimizer steps for the whole run (the schedule's length)."""
+    warmup_steps: int = 10000
+    """Linear warmup length in optimizer steps; must be < total_steps."""
+    lr_scheduler: str = "cosine"
+    """cosine | legacy (T5's inverse sqrt) | constant | linear."""
+    final_cosine: float = 1e-5
+    """Learning rate at the end of the cosine/linear decay (absolute, not a fraction of base_lr)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay coefficient (0 = none, nanoT5's setting)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam (beta1, beta2), each in [0, 1)."""
+    eps: float = 1e-6
+    """Adam epsilon (> 0); 1e-6 is what nanoT5's AdamWScale uses."""
+    max_nonfinite_steps: int = 10
+    """Stop the run after this many consecutive skipped (non-finite loss or gradient) updates."""
+
+    def __post_init__(self) -> None:
+        _check_choice("optim.name", self.name, OPTIMIZERS)
+        _check_choice("optim.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        _check(self.base_lr > 0, f"optim.base_lr={self.base_lr} must be > 0 (e.g. 2e-2 for adamwscale)")
+        _check(self.batch_size >= 1, f"optim.batch_size={self.batch_size} must be >= 1")
+        _check(self.grad_acc >= 1, f"optim.grad_acc={self.grad_acc} must be >= 1")
+        _check(
+            self.batch_size % self.grad_acc == 0,
+            f"optim.batch_size={self.batch_size} is not divisible by optim.grad_acc={self.grad_acc}: "
+            f"pick grad_acc among the divisors of batch_size ({_divisors(self.batch_size)})",
+        )
+        _check(self.total_steps >= 1, f"optim.total_steps={self.total_steps} must be >= 1")
+        _check(
+            0 <= self.warmup_steps < self.total_steps,
+            f"optim.warmup_steps={self.warmup_steps} must be in [0, total_steps={self.total_steps}); "
+            "lower warmup_steps or raise total_steps",
+        )
+        _check(self.final_cosine >= 0, f"optim.final_cosine={self.final_cosine} must be >= 0")
+        _check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        _check(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        _check(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            f"optim.betas={self.betas} must be two numbers in [0, 1), e.g. optim.betas=0.9,0.999",
+        )
+        _check(self.eps > 0, f"optim.eps={self.eps} must be > 0")
+        _check(
+            self.max_nonfinite_steps >= 1,
+            f"optim.max_nonfinite_steps={self.max_nonfinite_steps} must be >= 1",
+        )
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 5000
+    """Evaluate every this many optimizer steps; 0 = only at the end of the run."""
+    max_samples: int | None = 12800
+    """Validation sequences per evaluation; null or 0 = the whole validation split."""
+    batch_size: int = 128
+    """GLOBAL evaluation batch in sequences (split evenly over ranks)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.every_steps >= 0, f"eval.every_steps={self.every_steps} must be >= 0 (0 = only at the end)"
+        )
+        _check(
+            self.max_samples is None or self.max_samples >= 0,
+            f"eval.max_samples={self.max_samples} must be >= 0 or null (0/null = the whole split)",
+        )
+        _check(self.batch_size >= 1, f"eval.batch_size={self.batch_size} must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 5000
+    """Save a checkpoint every this many optimizer steps; 0 = only at the end of the run."""
+    keep_last: int = 3
+    """Keep this many newest checkpoints; older ones are deleted after a successful save."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.every_steps >= 0,
+            f"checkpoint.every_steps={self.every_steps} must be >= 0 (0 = only at the end)",
+        )
+        _check(self.keep_last >= 1, f"checkpoint.keep_last={self.keep_last} must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: int = 100
+    """Log training metrics (loss, lr, grad norm, throughput) every this many optimizer steps."""
+    wandb: str = "offline"
+    """Weights & Biases mode: offline (files under output_dir, sync later) | online | disabled."""
+    wandb_project: str = "t5ds"
+    """W&B project name."""
+    run_name: str | None = None
+    """W&B run name; null = the output_dir's name."""
+
+    def __post_init__(self) -> None:
+        _check(self.every_steps >= 1, f"logging.every_steps={self.every_steps} must be >= 1")
+        _check_choice("logging.wandb", self.wandb, WANDB_MODES)
+        _check(bool(self.wandb_project), "logging.wandb_project must not be empty")
+
+
+@dataclass
+class BudgetConfig:
+    hours: float | None = None
+    """Wall-clock training budget in hours (cramming's `budget`): when spent, the run evaluates,
+    checkpoints and stops, and the lr schedule is fitted to the budget. null = train total_steps."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.hours is None or self.hours > 0,
+            f"budget.hours={self.hours} must be > 0, or null for no budget",
+        )
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/t5_base_c4"
+    """Run directory: checkpoints/, metrics.jsonl, config.yaml (the resolved config)."""
+    seed: int = 2137
+    """Base random seed (model init, span corruption, data order)."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu) | cuda | cpu."""
+    precision: str = "bf16"
+    """bf16 (bf16 autocast compute, fp32 master weights) | fp32. CPU runs always use fp32."""
+    ds_config: str = "ds_configs/zero0.json"
+    """DeepSpeed config json (ZeRO stage, buckets, offload); switching ZeRO stage = switching file.
+    `auto` entries in it are filled from this config (training.ds_config.resolve_ds_config)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.output_dir), "output_dir must name the run directory, e.g. runs/my_run")
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check(bool(self.ds_config), "ds_config must name a DeepSpeed json, e.g. ds_configs/zero0.json")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (tuples become lists), suitable for YAML/JSON and W&B."""
+        return _to_plain(dataclasses.asdict(self))
+
+
+def section_types(root: type) -> dict[str, type]:
+    """The sections (dataclass-typed fields) of a root config class, by name."""
+    # `from __future__ import annotations` leaves field types as strings: resolve them.
+    return {name: hint for name, hint in typing.get_type_hints(root).items() if dataclasses.is_dataclass(hint)}
+
+
+SECTION_TYPES: dict[str, type] = section_types(RunConfig)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# Typed parsing: YAML values and command-line strings
+# ------------------------------------------------------------------------------------------------
+
+_NULL_WORDS = ("null", "none", "~")
+_TRUE_WORDS = ("true", "yes", "on", "1")
+_FALSE_WORDS = ("false", "no", "off", "0")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "tuple[" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert `value` (from YAML or a command-line string) to type `tp`; ConfigError if it does not fit."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args:
+            if value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS):
+                return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        items = [s.strip() for s in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or len(items) != len(args):
+            raise ConfigError(
+                f"{key}={value!r} must be {len(args)} comma-separated values ({_type_name(tp)}), "
+                f"e.g. {key}=" + ",".join("0.9" if a is float else "1" for a in args)
+            )
+        return tuple(_coerce(v, a, key) for v, a in zip(items, args))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS + _FALSE_WORDS:
+            return value.strip().lower() in _TRUE_WORDS
+        raise ConfigError(f"{key}={value!r} is not a bool; use true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not an int")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            text = value.strip().replace("_", "")
+            try:
+                return int(text)
+            except ValueError:
+                try:  # `1e4` style integers
+                    as_float = float(text)
+                except ValueError:
+                    as_float = None
+                if as_float is not None and as_float.is_integer():
+                    return int(as_float)
+        raise ConfigError(f"{key}={value!r} is not an int")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not a float")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads `2e-2` (no dot) as a string: parse it here.
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} is not a float (e.g. 2e-2 or 0.02)")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}={value!r} is not a string")
+    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
+
+
+def _section_fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _valid_keys_message(section: str | None, valid: typing.Iterable[str]) -> str:
+    where = f"section `{section}`" if section else "the top level"
+    return f"valid keys in {where}: {', '.join(sorted(valid))}"
+
+
+def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"`{section}` must be a mapping of keys to values, got {values!r}")
+    fields = _section_fields(cls)
+    unknown = [k for k in values if k not in fields]
+    if unknown:
+        raise ConfigError(f"unknown key {section}.{unknown[0]}; " + _valid_keys_message(section, fields))
+    kwargs = {k: _coerce(v, fields[k], f"{section}.{k}") for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def from_dict(data: dict[str, Any], root: type = RunConfig) -> Any:
+    """Build a validated config of class `root` (RunConfig by default) from a nested dict
+    (missing keys keep their defaults)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a run config must be a mapping of sections, got {type(data).__name__}")
+    top_fields = _section_fields(root)
+    sections = section_types(root)
+    unknown = [k for k in data if k not in top_fields]
+    if unknown:
+        raise ConfigError(f"unknown key `{unknown[0]}`; " + _valid_keys_message(None, top_fields))
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in sections:
+            kwargs[key] = _build_section(sections[key], value or {}, key)
+        else:
+            kwargs[key] = _coerce(value, top_fields[key], key)
+    return root(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# YAML files (with `extends:`) and overrides
+# ------------------------------------------------------------------------------------------------
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; `update` wins. Sections merge key by key."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"`extends` cycle: {chain}")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a run config must be a YAML mapping, got {type(data).__name__}")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{path}: `extends` must be a relative path to another YAML, got {parent!r}")
+    base = _read_yaml_tree(path.parent / parent, (*seen, path))
+    return _merge(base, data)
+
+
+def _parse_override(item: str) -> tuple[list[str], str]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. optim.base_lr=1e-2)")
+    key, value = item.split("=", 1)
+    key = key.strip().lstrip("-")  # tolerate `--optim.base_lr=...`
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    return key.split("."), value
+
+
+def _apply_override_to_dict(data: dict[str, Any], item: str, root: type = RunConfig) -> None:
+    parts, value = _parse_override(item)
+    top_fields = _section_fields(root)
+    sections = section_types(root)
+    head = parts[0]
+    if head not in top_fields:
+        raise ConfigError(
+            f"override {item!r}: unknown key `{head}`; " + _valid_keys_message(None, top_fields)
+        )
+    if head in sections:
+        fields = _section_fields(sections[head])
+        if len(parts) != 2 or parts[1] not in fields:
+            name = ".".join(parts[1:]) or "(missing)"
+            raise ConfigError(
+                f"override {item!r}: unknown key {head}.{name}; " + _valid_keys_message(head, fields)
+            )
+        key = parts[1]
+        data.setdefault(head, {})
+        if data[head] is None:
+            data[head] = {}
+        data[head][key] = _coerce(value, fields[key], f"{head}.{key}")
+    else:
+        if len(parts) != 1:
+            raise ConfigError(f"override {item!r}: `{head}` is a top-level value, not a section")
+        data[head] = _coerce(value, top_fields[head], head)
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """A new config of the same class with `section.key=value` overrides applied (validated as a whole)."""
+    data = cfg.to_dict()
+    for item in overrides:
+        _apply_override_to_dict(data, item, type(cfg))
+    return from_dict(data, type(cfg))
+
+
+def load_run_config(
+    yaml_path: str | Path | None, overrides: list[str] | None = None, root: type = RunConfig
+) -> Any:
+    """Defaults <- YAML file (and the files it `extends`) <- overrides, validated once at the end.
+
+    Validation runs on the merged result, so an override can repair a value that is only invalid
+    in combination (e.g. raise total_steps and warmup_steps together).
+    """
+    data = _read_yaml_tree(Path(yaml_path)) if yaml_path is not None else {}
+    for item in overrides or []:
+        _apply_override_to_dict(data, item, root)
+    try:
+        return from_dict(data, root)
+    except ConfigError as e:
+        where = f" (from {yaml_path}" + (f" with overrides {overrides}" if overrides else "") + ")"
+        raise ConfigError(f"{e}{where if yaml_path else ''}") from None
+
+
+def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomically: tmp file + rename); loadable by load_run_config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("# Resolved t5ds run config (defaults <- YAML <- overrides).\n")
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False, default_flow_style=False)
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Derived quantities
+# ------------------------------------------------------------------------------------------------
+
+
+def micro_batch_size(cfg: RunConfig, world_size: int) -> int:
+    """Per-rank micro batch (sequences per forward/backward) = batch_size / (grad_acc * world_size)."""
+    if world_size < 1:
+        raise ConfigError(f"world_size={world_size} must be >= 1")
+    batch, acc = cfg.optim.batch_size, cfg.optim.grad_acc
+    if batch % (acc * world_size) != 0:
+        ok_acc = [a for a in range(1, batch + 1) if batch % (a * world_size) == 0]
+        hint = (
+            f"set optim.grad_acc to one of {ok_acc}"
+            if ok_acc
+            else f"make optim.batch_size a multiple of world_size={world_size}"
+        )
+        raise ConfigError(
+            f"optim.batch_size={batch} is not divisible by optim.grad_acc * world_size = "
+            f"{acc} * {world_size} = {acc * world_size}: {hint}, or set optim.batch_size to a multiple "
+            f"of {acc * world_size} (e.g. {max(1, round(batch / (acc * world_size))) * acc * world_size})"
+        )
+    return batch // (acc * world_size)
+
+
+def eval_batch_size_per_rank(cfg: RunConfig, world_size: int) -> int:
+    """Per-rank evaluation batch = eval.batch_size / world_size."""
+    if cfg.eval.batch_size % world_size != 0:
+        raise ConfigError(
+            f"eval.batch_size={cfg.eval.batch_size} is not divisible by world_size={world_size}; "
+            f"set eval.batch_size to a multiple of {world_size}"
+        )
+    return cfg.eval.batch_size // world_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m training.config CONFIG.yaml [section.key=value ...]")
+        return 0
+    path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
+    try:
+        cfg = load_run_config(path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    yaml.safe_dump(cfg.to_dict(), sys.stdout, sort_keys=False, default_flow_style=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

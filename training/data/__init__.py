@@ -1,0 +1,27 @@
+"""Pre-training data: T5 span corruption and the loader with a resumable global cursor."""
+
+from training.data.permutation import EpochPermutation
+from training.data.pretrain_loader import (
+    Cursor,
+    PretrainBatches,
+    ValidationBatches,
+    micro_batch_sample_indices,
+    validation_batches,
+)
+from training.data.row_store import RowStore, SplitInfo, open_split
+from training.data.span_corruption import SpanCorruption, expand_sentinels, noise_counts
+
+__all__ = [
+    "Cursor",
+    "EpochPermutation",
+    "PretrainBatches",
+    "RowStore",
+    "SpanCorruption",
+    "SplitInfo",
+    "ValidationBatches",
+    "expand_sentinels",
+    "micro_batch_sample_indices",
+    "noise_counts",
+    "open_split",
+    "validation_batches",
+]

@@ -1,0 +1,482 @@
+"""The pre-training loader: span-corrupted micro-batches with an exact, resumable global cursor.
+
+Sample line. The split's rows are visited epoch by epoch; epoch e is a random permutation of all
+N rows seeded by (seed, e) (`EpochPermutation`). Concatenating the epochs gives one infinite line
+of samples; global sample index g = e * N + p is position p of epoch e, and it holds row
+perm_e(p). The noise of sample g is keyed by (seed, g): the same sample gets the same corruption
+on any rank, worker or restart, and a row gets fresh noise each epoch.
+
+Global batches. The cursor `samples_consumed` = c is a position on that line. The global batch at
+c (size G = micro_batch_size * grad_acc * world_size) is the samples [c, c + G); a batch that
+crosses an epoch end simply takes the last samples of epoch e and the first of epoch e + 1, so
+nothing is dropped or repeated and every epoch is covered exactly once. Inside a global batch,
+micro-step m (0 .. grad_acc - 1) of rank r (0 .. world_size - 1) gets
+
+    [c + (m * world_size + r) * micro_batch_size, ... + micro_batch_size)
+
+so the union over ranks of micro-step m is the contiguous block of micro_batch_size * world_size
+samples starting at c + m * micro_batch_size * world_size, and the set of samples of one optimizer
+step is [c, c + G) whatever the world size / micro-batch / accumulation split. A run resumed from a
+cursor on a different number of GPUs (same G) sees exactly the batches it would have seen.
+
+Workers. Rank r's micro-batches are numbered j = 0, 1, 2, ... (global batch j // grad_acc,
+micro-step j % grad_acc). DataLoader worker w of k produces j = w, w + k, ...; the DataLoader
+returns them round-robin, i.e. in order of j. Rows are read and corrupted in the workers.
+
+Cursor and prefetching. `PretrainBatches.cursor` is the position after the last global batch whose
+last micro-batch the consumer has pulled: it advances by G just before the grad_acc-th micro-batch
+of a global batch is handed out, whatever the workers have prefetched. Save it at a step boundary
+(after the optimizer step); a cursor saved mid-accumulation points at the start of the unfinished
+global batch, which a resume replays whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from training.data.permutation import EpochPermutation
+from training.data.row_store import RowStore, open_split
+from training.data.span_corruption import NOISE_STREAM_TRAIN, NOISE_STREAM_VALIDATION, SpanCorruption
+
+logger = logging.getLogger(__name__)
+
+CURSOR_VERSION = 1
+
+
+@dataclass
+class Cursor:
+    """A position on the run's sample line (see the module docstring). Checkpoint it with state_dict()."""
+
+    seed: int  # shuffle and noise seed of the run; a resume must use the same
+    rows_per_epoch: int  # N, rows in the split; a resume on a dataset of another size is refused
+    samples_consumed: int = 0  # global samples in all fully handed-out global batches since step 0
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.rows_per_epoch < 1:
+            raise ValueError(f"rows_per_epoch must be >= 1, got {self.rows_per_epoch}")
+        if self.samples_consumed < 0:
+            raise ValueError(f"samples_consumed must be >= 0, got {self.samples_consumed}")
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next sample."""
+        return self.samples_consumed // self.rows_per_epoch
+
+    @property
+    def position_in_epoch(self) -> int:
+        """Permutation position of the next sample within `epoch`."""
+        return self.samples_consumed % self.rows_per_epoch
+
+    def state_dict(self) -> dict:
+        """Plain ints; epoch and position_in_epoch are included for people reading checkpoints."""
+        return {
+            "version": CURSOR_VERSION,
+            **asdict(self),
+            "epoch": self.epoch,
+            "position_in_epoch": self.position_in_epoch,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != CURSOR_VERSION:
+            raise ValueError(f"cursor state version {state.get('version')} is not {CURSOR_VERSION}")
+        loaded = Cursor(int(state["seed"]), int(state["rows_per_epoch"]), int(state["samples_consumed"]))
+        if (state.get("epoch"), state.get("position_in_epoch")) not in (
+            (None, None),
+            (loaded.epoch, loaded.position_in_epoch),
+        ):
+            raise ValueError(f"cursor state is inconsistent: {state}")
+        self.seed, self.rows_per_epoch, self.samples_consumed = (
+            loaded.seed,
+            loaded.rows_per_epoch,
+            loaded.samples_consumed,
+        )
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> Cursor:
+        cursor = cls(seed=0, rows_per_epoch=1)
+        cursor.load_state_dict(state)
+        return cursor
+
+
+def micro_batch_sample_indices(
+    samples_consumed: int,
+    micro_index: int,
+    *,
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    grad_acc: int,
+) -> np.ndarray:
+    """Global sample indices of rank `rank`'s micro-batch `micro_index`, counted from cursor position
+    `samples_consumed` (micro_index 0 = micro-step 0 of the global batch at the cursor)."""
+    global_batch, micro_step = divmod(micro_index, grad_acc)
+    start = (
+        samples_consumed
+        + global_batch * micro_batch_size * grad_acc * world_size
+        + (micro_step * world_size + rank) * micro_batch_size
+    )
+    return start + np.arange(micro_batch_size, dtype=np.int64)
+
+
+def _to_batch(inputs: np.ndarray, labels: np.ndarray) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels)}
+
+
+def _check_token_ids(rows: np.ndarray, corruption: SpanCorruption, store: RowStore) -> None:
+    """Raw ids must stay below the sentinels (and so below the model's vocabulary)."""
+    top = int(rows.max())
+    if top >= corruption.lowest_sentinel_id:
+        raise ValueError(
+            f"{store.info.data_dir} ({store.info.split}): a row holds token id {top}, which is >= the lowest "
+            f"sentinel id {corruption.lowest_sentinel_id}; the data was tokenised with another vocabulary "
+            "(re-shard with the run's tokenizer) or sentinel_start_id is wrong."
+        )
+
+
+class _PretrainStream(IterableDataset):
+    """Rank `rank`'s micro-batches from cursor position `start`, forever; split over DataLoader workers."""
+
+    def __init__(
+        self,
+        store: RowStore,
+        corruption: SpanCorruption,
+        start: int,
+        seed: int,
+        *,
+        rank: int,
+        world_size: int,
+        micro_batch_size: int,
+        grad_acc: int,
+        include_indices: bool,
+    ) -> None:
+        self.store, self.corruption, self.start, self.seed = store, corruption, start, seed
+        self.rank, self.world_size = rank, world_size
+        self.micro_batch_size, self.grad_acc = micro_batch_size, grad_acc
+        self.include_indices = include_indices
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker = get_worker_info()
+        worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        n = len(self.store)
+        permutations: dict[int, EpochPermutation] = {}
+        micro_index = worker_id
+        while True:
+            samples = micro_batch_sample_indices(
+                self.start,
+                micro_index,
+                rank=self.rank,
+                world_size=self.world_size,
+                micro_batch_size=self.micro_batch_size,
+                grad_acc=self.grad_acc,
+            )
+            epochs, positions = np.divmod(samples, n)
+            row_ids = np.empty_like(samples)
+            for epoch in np.unique(epochs).tolist():
+                if epoch not in permutations:
+                    permutations = {epoch: EpochPermutation(n, self.seed, epoch)}  # keep only the current
+                here = epochs == epoch
+                row_ids[here] = permutations[epoch](positions[here])
+            rows = self.store.read(row_ids)
+            _check_token_ids(rows, self.corruption, self.store)
+            inputs, labels = self.corruption.corrupt(rows, samples, self.seed, NOISE_STREAM_TRAIN)
+            batch = _to_batch(inputs, labels)
+            if self.include_indices:
+                batch["sample_index"] = torch.from_numpy(samples)
+                batch["row_index"] = torch.from_numpy(row_ids)
+            yield batch
+            micro_index += num_workers
+
+
+def _corruption_and_store(
+    data_dir: str | os.PathLike,
+    split: str,
+    *,
+    input_length: int,
+    noise_density: float,
+    mean_noise_span_length: float,
+    vocab_size: int,
+    sentinel_start_id: int,
+    expected_tokenizer_sha256: str | None,
+) -> tuple[SpanCorruption, RowStore]:
+    corruption = SpanCorruption(
+        input_length=input_length,
+        noise_density=noise_density,
+        mean_noise_span_length=mean_noise_span_length,
+        sentinel_start_id=sentinel_start_id,
+    )
+    if sentinel_start_id >= vocab_size:
+        raise ValueError(f"sentinel_start_id={sentinel_start_id} must be below vocab_size={vocab_size}")
+    info = open_split(
+        data_dir,
+        split,
+        row_length=corruption.tokens_length,
+        noise_density=noise_density,
+        mean_noise_span_length=mean_noise_span_length,
+        vocab_size=vocab_size,
+        eos_id=corruption.eos_id,
+        expected_tokenizer_sha256=expected_tokenizer_sha256,
+    )
+    return corruption, RowStore(info)
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+class PretrainBatches:
+    """Infinite iterable of this rank's span-corrupted micro-batches, with a resumable global cursor.
+
+    Use `for batch in loader` or `next(loader)` (one internal iterator), not both at once: every
+    iterator advances the same cursor.
+
+    Each item is {"input_ids": int64[micro_batch_size, input_length], "labels": int64[micro_batch_size,
+    targets_length]} (labels are -100 only where padded, which never happens at the standard lengths),
+    plus "sample_index" and "row_index" (int64[micro_batch_size]) when include_indices=True. Every
+    grad_acc consecutive items make this rank's share of one optimizer step.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        split: str = "train",
+        *,
+        rank: int,
+        world_size: int,
+        micro_batch_size: int,
+        grad_acc: int,
+        seed: int,
+        input_length: int = 512,
+        noise_density: float = 0.15,
+        mean_noise_span_length: float = 3.0,
+        expected_tokenizer_sha256: str | None = None,
+        vocab_size: int = 32128,
+        sentinel_start_id: int = 32099,
+        num_workers: int = 2,
+        prefetch_factor: int = 4,
+        pin_memory: bool = False,
+        cursor: Cursor | dict | None = None,
+        include_indices: bool = False,
+    ) -> None:
+        _check_rank(rank, world_size)
+        if micro_batch_size < 1 or grad_acc < 1 or num_workers < 0:
+            raise ValueError(
+                f"need micro_batch_size >= 1, grad_acc >= 1, num_workers >= 0; got {micro_batch_size}, "
+                f"{grad_acc}, {num_workers}"
+            )
+        self.corruption, self.store = _corruption_and_store(
+            data_dir,
+            split,
+            input_length=input_length,
+            noise_density=noise_density,
+            mean_noise_span_length=mean_noise_span_length,
+            vocab_size=vocab_size,
+            sentinel_start_id=sentinel_start_id,
+            expected_tokenizer_sha256=expected_tokenizer_sha256,
+        )
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.micro_batch_size, self.grad_acc = micro_batch_size, grad_acc
+        self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
+        self.include_indices = include_indices
+        self._cursor = Cursor(seed=seed, rows_per_epoch=len(self.store))
+        self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
+        if cursor is not None:
+            self.load_state_dict(cursor.state_dict() if isinstance(cursor, Cursor) else cursor)
+
+    @property
+    def global_batch_size(self) -> int:
+        """G: samples per optimizer step over all ranks."""
+        return self.micro_batch_size * self.grad_acc * self.world_size
+
+    @property
+    def rows_per_epoch(self) -> int:
+        return len(self.store)
+
+    @property
+    def input_length(self) -> int:
+        """Encoder tokens per sample (columns of input_ids)."""
+        return self.corruption.input_length
+
+    @property
+    def target_length(self) -> int:
+        """Decoder targets per sample (columns of labels): 114 for input_length 512."""
+        return self.corruption.targets_length
+
+    @property
+    def cursor(self) -> Cursor:
+        """A copy of the position after the last global batch whose last micro-batch was handed out."""
+        return Cursor(self._cursor.seed, self._cursor.rows_per_epoch, self._cursor.samples_consumed)
+
+    def state_dict(self) -> dict:
+        return self._cursor.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved cursor (any world size / micro-batch split). Call before iterating."""
+        cursor = Cursor.from_state_dict(state)
+        if cursor.seed != self.seed:
+            raise ValueError(
+                f"the cursor was saved with seed={cursor.seed}; pass seed={cursor.seed} to resume"
+            )
+        if cursor.rows_per_epoch != self.rows_per_epoch:
+            raise ValueError(
+                f"the cursor was saved on a split of {cursor.rows_per_epoch} rows, this one has "
+                f"{self.rows_per_epoch}: resume on the same prepared dataset (the epoch order depends on it)."
+            )
+        self._cursor = cursor
+        self._iterator = None  # the next `next()` starts at the loaded cursor
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        """`next(loader)` works too: it draws from one internal iterator, started at the cursor."""
+        if self._iterator is None:
+            self._iterator = iter(self)
+        return next(self._iterator)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches from the current cursor. A new iterator restarts at the cursor (micro-batches of
+        an unfinished global batch are handed out again)."""
+        stream = _PretrainStream(
+            self.store,
+            self.corruption,
+            self._cursor.samples_consumed,
+            self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            micro_batch_size=self.micro_batch_size,
+            grad_acc=self.grad_acc,
+            include_indices=self.include_indices,
+        )
+        loader = DataLoader(
+            stream,
+            batch_size=None,  # the stream yields ready micro-batches
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+            pin_memory=self.pin_memory,
+        )
+        for micro_index, batch in enumerate(loader):
+            if (micro_index + 1) % self.grad_acc == 0:
+                self._cursor.samples_consumed += self.global_batch_size  # before handing out the last one
+            yield batch
+
+
+class ValidationBatches:
+    """Finite, deterministic validation batches of one rank (see `validation_batches`)."""
+
+    def __init__(
+        self,
+        store: RowStore,
+        corruption: SpanCorruption,
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        num_samples: int,
+        seed: int,
+        num_workers: int,
+        include_indices: bool,
+    ) -> None:
+        self.store, self.corruption = store, corruption
+        self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
+        self.num_samples, self.seed = num_samples, seed
+        self.num_workers, self.include_indices = num_workers, include_indices
+
+    def __len__(self) -> int:
+        """Batches per rank; the same on every rank."""
+        return -(-self.num_samples // (self.batch_size * self.world_size))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        stream = _ValidationStream(self)
+        yield from DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=2 if self.num_workers > 0 else None,
+        )
+
+
+class _ValidationStream(IterableDataset):
+    def __init__(self, spec: ValidationBatches) -> None:
+        self.spec = spec
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        spec = self.spec
+        worker = get_worker_info()
+        worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        for batch_index in range(worker_id, len(spec), num_workers):
+            start = (batch_index * spec.world_size + spec.rank) * spec.batch_size
+            positions = start + np.arange(spec.batch_size, dtype=np.int64)
+            real = positions < spec.num_samples
+            row_ids = np.where(real, positions, positions % spec.num_samples)  # padding repeats real rows
+            rows = spec.store.read(row_ids)
+            _check_token_ids(rows, spec.corruption, spec.store)
+            inputs, labels = spec.corruption.corrupt(rows, row_ids, spec.seed, NOISE_STREAM_VALIDATION)
+            labels[~real] = -100  # padding rows carry no loss and no tokens
+            batch = _to_batch(inputs, labels)
+            if spec.include_indices:
+                batch["row_index"] = torch.from_numpy(np.where(real, row_ids, -1))
+            yield batch
+
+
+def validation_batches(
+    data_dir: str | os.PathLike,
+    *,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    max_samples: int | None = None,
+    seed: int = 0,
+    split: str = "validation",
+    input_length: int = 512,
+    noise_density: float = 0.15,
+    mean_noise_span_length: float = 3.0,
+    expected_tokenizer_sha256: str | None = None,
+    vocab_size: int = 32128,
+    sentinel_start_id: int = 32099,
+    num_workers: int = 0,
+    include_indices: bool = False,
+) -> ValidationBatches:
+    """The first `max_samples` rows of `split` (all by default), in order, with fixed noise keyed by
+    (seed, row id), split over ranks without duplicates or losses.
+
+    Evaluation batch t covers rows [t * B * W, (t + 1) * B * W) (B = batch_size, W = world_size); rank r
+    takes rows [t * B * W + r * B, ... + B). Every rank gets the same number of batches, len(result), of
+    the same shape (collectives such as ZeRO-3 parameter gathering need equal call counts): positions
+    past the last row are padding, a copy of a real row with all labels -100. Weight the loss by the
+    number of labels != -100 (sum of token losses / token count, all-reduced), and padding counts for
+    nothing. The noise does not depend on the world size, so the loss does not either.
+    """
+    _check_rank(rank, world_size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    corruption, store = _corruption_and_store(
+        data_dir,
+        split,
+        input_length=input_length,
+        noise_density=noise_density,
+        mean_noise_span_length=mean_noise_span_length,
+        vocab_size=vocab_size,
+        sentinel_start_id=sentinel_start_id,
+        expected_tokenizer_sha256=expected_tokenizer_sha256,
+    )
+    num_samples = len(store) if max_samples is None else min(max_samples, len(store))
+    if num_samples < 1:
+        raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+    return ValidationBatches(
+        store,
+        corruption,
+        rank=rank,
+        world_size=world_size,
+        batch_size=batch_size,
+        num_samples=num_samples,
+        seed=seed,
+        num_workers=num_workers,
+        include_indices=include_indices,
+    )

@@ -1,0 +1,121 @@
+"""Process-group setup and the few collectives the training loop needs.
+
+Works the same under the `deepspeed` launcher, `torchrun`, `srun` (SLURM_* variables) and a plain
+`python training/pretrain.py` (a single process, world size 1). On a machine without CUDA the
+backend is gloo and the device is the CPU, which is how the tests and the README demo run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+# A CPU (gloo) process group for control flags, created in init_distributed.
+_control_group = None
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int  # global rank, 0 .. world_size-1
+    world_size: int  # number of data-parallel processes
+    local_rank: int  # rank on this node; picks the GPU
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    """`auto` takes the local GPU when CUDA is present, else the CPU."""
+    if requested not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be auto, cuda or cpu, got {requested!r}")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but torch sees no CUDA GPU; use device=auto or device=cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(requested_device: str = "auto") -> DistInfo:
+    """Initialise torch.distributed through DeepSpeed (always, also for one process).
+
+    Rank variables come from the launcher (RANK/WORLD_SIZE/LOCAL_RANK) or from SLURM
+    (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID) when the job was started with `srun`.
+    """
+    import deepspeed  # heavy import: only when a job really starts
+
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world_size = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if world_size > 1:
+            raise RuntimeError("MASTER_PORT is not set for a multi-process run: launch with `deepspeed`, "
+                               "`torchrun`, or set MASTER_ADDR/MASTER_PORT (the SLURM scripts do).")
+        os.environ["MASTER_PORT"] = str(_free_port())
+    device = resolve_device(requested_device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    global _control_group
+    if dist.get_world_size() > 1 and _control_group is None:
+        # Every rank must create a group at the same point: do it here, once.
+        _control_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few floats over all ranks (float64 on the wire, so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def control_group():
+    """The CPU process group for control decisions (None = the default group)."""
+    return _control_group
+
+
+def any_rank(flag: bool) -> bool:
+    """True when `flag` is set on at least one rank (stop signals, errors).
+
+    Runs on a CPU (gloo) group so that polling it every step never waits for the GPU.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_control_group)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

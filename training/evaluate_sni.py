@@ -1,0 +1,147 @@
+"""Evaluate a checkpoint on Super-Natural-Instructions (Tk-Instruct protocol: greedy, Rouge-L).
+
+    python -m training.evaluate_sni CHECKPOINT --data /work/shared/data/sni --out DIR \
+        [--max-instances-per-task N] [--batch-size B] [--tasks task1159_... task641_...]
+
+CHECKPOINT: a Hugging Face model directory (config.json + model.safetensors / pytorch_model.bin), or
+a plain state-dict file (.safetensors / .bin / .pt, e.g. a nanoT5 checkpoint) or a directory holding
+one without config.json, together with `--preset base` (or small / large / ...).
+--data: the compact SNI directory (test.jsonl.gz [+ test_references.jsonl.gz]) or a
+natural-instructions checkout root. Writes DIR/predictions.jsonl and DIR/metrics.json.
+
+Several GPUs: `torchrun --nproc_per_node 8 -m training.evaluate_sni ...` splits generation over the
+ranks (each loads the full model) and gathers the predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from training.sni.encoding import DEFAULT_SPIECE, SNITokenizer, TemplateConfig
+from training.sni.evaluate import build_eval_set, evaluate_sni
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_model_for_eval(
+    path: str | os.PathLike,
+    preset: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
+    """Our T5ForConditionalGeneration in eval mode on `device`, from
+    - an HF directory with config.json (weights: safetensors or bin, sharded or not), or
+    - a plain state-dict file, or a directory holding one without config.json, plus `preset`.
+    Other checkpoint forms (e.g. a DeepSpeed run directory) are added here as further branches."""
+    from training.model.hf_compat import load_pretrained
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if path.is_dir() and not (path / "config.json").exists() and preset is None:
+        raise ValueError(
+            f"{path} has no config.json: pass --preset (e.g. base) for a plain state dict, or point to "
+            "a Hugging Face model directory"
+        )
+    model = load_pretrained(path, preset=preset, dropout_rate=0.0)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _dist_setup() -> tuple[int, int, torch.device]:
+    """Rank, world size and device from a torchrun-style environment (1 process without one)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world_size, device
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="HF model directory, or a state-dict file/directory with --preset")
+    p.add_argument(
+        "--data", required=True, help="compact SNI directory/file or natural-instructions checkout"
+    )
+    p.add_argument("--out", required=True, help="output directory (predictions.jsonl, metrics.json)")
+    p.add_argument(
+        "--preset", default=None, help="T5 preset for a plain state dict: tiny/small/base/large/xl/xxl"
+    )
+    p.add_argument(
+        "--max-instances-per-task", type=int, default=None, help="seeded subset per task (default: all)"
+    )
+    p.add_argument("--tasks", nargs="+", default=None, help="only these test tasks (default: all 119)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=128,
+        help="instances per generate call per rank (larger is faster on a GPU)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generation length (Tk-Instruct: 128)")
+    p.add_argument("--max-source-length", type=int, default=1024, help="prompt length in tokens (1024)")
+    p.add_argument("--spiece", default=DEFAULT_SPIECE, help="T5 SentencePiece model")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype for generation")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the per-task subset (with --max-instances-per-task)"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = Path(args.out)
+    if (out / "metrics.json").exists():
+        print(f"{out}/metrics.json exists: choose another --out (nothing was overwritten)", file=sys.stderr)
+        return 2
+    rank, world_size, device = _dist_setup()
+    tokenizer = SNITokenizer(args.spiece)
+    eval_set = build_eval_set(
+        args.data,
+        tokenizer,
+        tasks=args.tasks,
+        max_instances_per_task=args.max_instances_per_task,
+        seed=args.seed,
+        template=TemplateConfig(max_source_length=args.max_source_length),
+    )
+    model = load_model_for_eval(args.checkpoint, args.preset, device, DTYPES[args.dtype])
+    metrics = evaluate_sni(
+        model,
+        eval_set,
+        tokenizer,
+        out_dir=out,
+        batch_size=args.batch_size,
+        rank=rank,
+        world_size=world_size,
+        max_new_tokens=args.max_new_tokens,
+        device=device,
+    )
+    if rank == 0:
+        summary = {k: metrics[k] for k in ("rougeL", "exact_match", "n_instances", "n_tasks", "n_missing")}
+        summary["rougeL_missing_as_empty"] = metrics["rougeL_missing_as_empty"]
+        summary["per_category_rougeL"] = {k: v["rougeL"] for k, v in metrics["per_category"].items()}
+        print(json.dumps(summary, indent=2))
+        print(f"wrote {out / 'predictions.jsonl'} and {out / 'metrics.json'}")
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Fine-tune T5 on Super-Natural-Instructions and evaluate Rouge-L (the Tk-Instruct protocol).
+
+    deepspeed training/finetune.py --config training/configs/sni.yaml \
+        --deepspeed_config ds_configs/zero2.json [init=runs/base] [key=value ...]
+
+`init` is nanoT5's three modes: one of our pre-training runs (its newest complete checkpoint), a
+Hugging Face T5 directory (e.g. a local google/t5-v1_1-base), or `random`. Same engine, ZeRO
+configs, checkpoints and logging as pre-training; Rouge-L on the test tasks every
+`eval.every_steps` and at the end, predictions and metrics under `<output_dir>/sni_eval/`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import contextlib
+import json
+import logging
+import time
+
+import torch
+
+from training.budget import Horizon
+from training.distributed import DistInfo, all_reduce_sum, init_distributed
+from training.metrics import MetricsLogger, setup_logging, train_line
+from training.run_setup import build_model, build_optimizer_and_schedule, capture_rng_state, restore_rng_state
+from training.stop_signals import EXIT_REQUEUE, StopRequest
+
+logger = logging.getLogger("t5ds.finetune")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="training/configs/sni.yaml", help="fine-tuning config (YAML)")
+    parser.add_argument("--deepspeed_config", default=None, help="DeepSpeed config (default: the config's ds_config)")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    parser.add_argument("overrides", nargs="*", help="overrides, e.g. init=runs/base optim.base_lr=1e-4")
+    return parser.parse_args(argv)
+
+
+def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
+    import deepspeed
+
+    from training.checkpoint import CheckpointManager
+    from training.config import dump_yaml, micro_batch_size
+    from training.ds_config import resolve_ds_config
+    from training.export import write_model_config
+    from training.optim import bind_zero_layout
+    from training.sni.encoding import (
+        SNITokenizer,
+        TemplateConfig,
+        encode_tasks,
+        num_train_batches,
+        train_batches,
+    )
+    from training.sni.evaluate import build_eval_set, evaluate_sni
+    from training.sni.tasks import load_sni
+
+    rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
+    out_dir = Path(cfg.output_dir)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    # --- data: every rank encodes the same instances (a few seconds), then takes its batches ----
+    tokenizer = SNITokenizer(cfg.data.tokenizer)
+    template = TemplateConfig(num_pos_examples=cfg.data.num_pos_examples, max_source_length=cfg.data.max_source_length,
+                              max_target_length=cfg.data.max_target_length)
+    tasks = load_sni(cfg.data.dir, "train", max_instances_per_task=cfg.data.max_instances_per_task, seed=cfg.seed)
+    tasks = tasks[: cfg.data.max_train_tasks] if cfg.data.max_train_tasks else tasks
+    examples = encode_tasks(tasks, tokenizer, template)
+    test_tasks = None
+    if cfg.eval.max_tasks:
+        test_tasks = [t.name for t in load_sni(cfg.data.dir, "test", max_instances_per_task=1)][: cfg.eval.max_tasks]
+    eval_set = build_eval_set(cfg.data.dir, tokenizer, tasks=test_tasks,
+                              max_instances_per_task=cfg.eval.max_instances_per_task, seed=cfg.seed, template=template)
+    micro_bs = micro_batch_size(cfg, world_size)
+    steps_per_epoch = num_train_batches(len(examples), micro_bs, world_size) // cfg.optim.grad_acc
+    if steps_per_epoch < 1:
+        raise ValueError(f"{len(examples)} training instances make no full step of batch {cfg.optim.batch_size}: "
+                         "lower optim.batch_size or use more tasks")
+    total_steps = min(cfg.optim.total_steps, steps_per_epoch * cfg.data.epochs)
+
+    # --- model, optimizer, engine, resume -------------------------------------------------------
+    model, model_cfg = build_model(cfg.model, device, init=cfg.init)
+    horizon = Horizon(total_steps=total_steps)
+    optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
+    ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, dist_init_required=False)
+    bind_zero_layout(engine, optimizer)
+    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
+    step = 0
+    resume_from = ckpt.find_resumable()
+    if resume_from is not None:
+        step, rank_state = ckpt.load(engine, resume_from)
+        restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
+        logger.info("resumed from %s at step %d", resume_from, step)
+
+    metrics = MetricsLogger(out_dir, rank=rank, wandb_mode=cfg.logging.wandb,
+                            wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
+                            config=cfg.to_dict())
+    if rank == 0:
+        dump_yaml(cfg, out_dir / "config.yaml")
+        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+        write_model_config(out_dir, model_cfg)
+    metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "init": cfg.init,
+                          "train_instances": len(examples), "total_steps": total_steps})
+    logger.info("%d training instances of %d tasks: %d steps per epoch, %d steps", len(examples), len(tasks),
+                steps_per_epoch, total_steps)
+
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.precision == "bf16" and device.type == "cuda"
+                else contextlib.nullcontext())
+
+    def run_eval() -> dict:
+        with autocast:
+            result = evaluate_sni(engine.module, eval_set, tokenizer, out_dir=out_dir / "sni_eval" / f"step_{step:08d}",
+                                  batch_size=cfg.eval.batch_size, rank=rank, world_size=world_size,
+                                  max_new_tokens=cfg.eval.max_new_tokens, device=device)
+        engine.train()
+        record = {"step": step, "rougeL": result["rougeL"], "exact_match": result["exact_match"],
+                  "n_instances": result["n_instances"], "eval_seconds": result.get("eval_seconds")}
+        record.update({f"rougeL/{cat}": v["rougeL"] for cat, v in result["per_category"].items()})
+        metrics.log("eval", record)
+        logger.info("[eval] Step %d | Rouge-L --> %.2f | Exact match --> %.2f | Instances --> %d", step,
+                    result["rougeL"], result["exact_match"], result["n_instances"])
+        return result
+
+    def batches_from(first_step: int):
+        """(micro-batch) stream from optimizer step `first_step` on; epochs follow one another."""
+        epoch, start = divmod(first_step, steps_per_epoch)
+        while True:
+            stream = train_batches(examples, micro_bs, cfg.seed, epoch, rank, world_size,
+                                   start_batch=start * cfg.optim.grad_acc)
+            for _ in range((steps_per_epoch - start) * cfg.optim.grad_acc):
+                yield next(stream)
+            epoch, start = epoch + 1, 0
+
+    # --- the loop -------------------------------------------------------------------------------
+    stop = StopRequest()
+    exit_code = 0
+    stream = batches_from(step)
+    window_loss = torch.zeros((), device=device)
+    window_tokens = torch.zeros((), dtype=torch.int64, device=device)
+    window_steps, window_start = 0, time.perf_counter()
+    engine.train()
+    while step < total_steps:
+        for _ in range(cfg.optim.grad_acc):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+            out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         labels=batch["labels"], return_logits=False)
+            engine.backward(out.loss)
+            engine.step()
+            window_loss += out.loss.detach().float() / cfg.optim.grad_acc
+            window_tokens += batch["attention_mask"].sum() + (batch["labels"] != -100).sum()
+        step += 1
+        window_steps += 1
+        if step % cfg.logging.every_steps == 0 or step == total_steps:
+            loss, tokens = all_reduce_sum([window_loss.item(), float(window_tokens.item())], device)
+            seconds = time.perf_counter() - window_start
+            record = {"step": step, "loss": loss / (world_size * window_steps), "lr": scheduler.get_last_lr()[0],
+                      "grad_l2": engine.get_global_grad_norm(), "seconds_per_step": seconds / window_steps,
+                      "tokens_per_s": tokens / seconds, "epoch": step / steps_per_epoch}
+            metrics.log("train", record)
+            logger.info(train_line(record, total_steps))
+            window_loss.zero_()
+            window_tokens.zero_()
+            window_steps, window_start = 0, time.perf_counter()
+        if stop.agreed():
+            ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+            exit_code = EXIT_REQUEUE
+            break
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total_steps:
+            run_eval()
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total_steps:
+            ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+
+    if exit_code == 0:
+        result = run_eval()
+        ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+        if rank == 0:
+            print(f"SNI test Rouge-L {result['rougeL']:.2f} (exact match {result['exact_match']:.2f}, "
+                  f"{result['n_instances']} instances) after {step} steps; predictions and metrics in "
+                  f"{out_dir / 'sni_eval' / f'step_{step:08d}'}", flush=True)
+    metrics.log("event", {"step": step, "event": "exit", "exit_code": exit_code})
+    metrics.close()
+    stop.restore()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    from training.config import load_run_config
+    from training.finetune_config import FinetuneConfig
+
+    args = parse_args(argv)
+    cfg = load_run_config(args.config, args.overrides, root=FinetuneConfig)
+    dist_info = init_distributed(cfg.device)
+    setup_logging(dist_info.rank)
+    try:
+        return finetune(cfg, args.deepspeed_config, dist_info)
+    except Exception:
+        logger.exception("fine-tuning failed on rank %d", dist_info.rank)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""T5 attention kernels: relative position buckets and the attention backends.
+
+T5 attention is softmax(Q K^T + B + M) V with no 1/sqrt(d_kv) scaling, where B is the learned
+relative position bias (heads, q_len, k_len), shared by every sequence in the batch and every layer
+of a stack, and M masks padded keys (and future keys in the decoder). Layout used throughout:
+q (batch, q_len, heads, d_kv), k/v (batch, k_len, heads, d_kv), i.e. the projection output viewed,
+never transposed, so the fused kernel reads it with strides.
+
+Backends (`T5Config.attention_backend`):
+- "math": explicit fp32-softmax scores, the numerics of HF's eager T5 (used on CPU and for tests);
+- "sdpa": `torch.nn.functional.scaled_dot_product_attention` with an additive bias mask;
+- "flex": FlexAttention with a score_mod reading the bias (no backward on CPU);
+- "triton": our fused flash-attention kernel with the shared bias and its gradient (CUDA only);
+- "auto": "triton" on CUDA when triton imports, else "math".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from training.model import triton_attention
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128
+) -> torch.Tensor:
+    """Mesh TensorFlow's bucketing of (key_position - query_position) into [0, num_buckets).
+
+    Half of the buckets (per direction when bidirectional) hold exact small distances, the rest
+    logarithmically wider bins up to max_distance; larger distances share the last bucket. In the
+    decoder (not bidirectional) keys after the query are masked anyway and map to bucket 0.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # Log-spaced buckets; the clamp(min=1) only keeps log() finite where is_small selects the other branch.
+    large = (
+        max_exact
+        + (
+            torch.log(distance.clamp(min=1).float() / max_exact)
+            / math.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).long()
+    )
+    large = large.clamp(max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turn "auto" into a concrete backend for tensors on `device`."""
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and triton_attention.available():
+        return "triton"
+    return "math"
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    backend: str,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """softmax(q k^T + bias + mask) v for q (b, sq, h, d), k/v (b, sk, h, d) -> (b, sq, h, d).
+
+    bias: (h, sq, sk) float or None (cross-attention). key_mask: (b, sk) bool, True = real token, or
+    None (all real). causal: query i sees keys j <= i + (sk - sq) (the offset covers a key/value cache).
+    dropout_p applies to the attention probabilities (only the math/sdpa paths support it).
+    """
+    backend = resolve_backend(backend, q.device)
+    if dropout_p > 0.0 and backend in ("triton", "flex"):
+        backend = "sdpa" if q.is_cuda else "math"
+    if backend == "flex" and not q.is_cuda and torch.is_grad_enabled():
+        backend = "math"  # FlexAttention has no backward on CPU (torch 2.13)
+    if backend in ("triton", "flex") and causal and q.shape[1] != k.shape[1]:
+        backend = "sdpa"  # incremental decoding with a cache: tiny, not worth a fused kernel
+    if backend == "math":
+        return _math_attention(q, k, v, bias, key_mask, causal, dropout_p)
+    if backend == "sdpa":
+        return _sdpa_attention(q, k, v, bias, key_mask, causal, dropout_p)
+    if backend == "flex":
+        return _flex_attention(q, k, v, bias, key_mask, causal)
+    if backend == "triton":
+        return triton_attention.t5_flash_attention(q, k, v, bias, key_mask, causal)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def _allowed_mask(
+    batch: int, sq: int, sk: int, key_mask: torch.Tensor | None, causal: bool, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean (b or 1, 1, sq or 1, sk) mask of allowed (query, key) pairs, or None if all allowed."""
+    allowed = None
+    if causal:
+        q_pos = torch.arange(sq, device=device)[:, None] + (sk - sq)
+        allowed = (torch.arange(sk, device=device)[None, :] <= q_pos)[None, None]
+    if key_mask is not None:
+        km = key_mask.to(torch.bool)[:, None, None, :]
+        allowed = km if allowed is None else allowed & km
+    return allowed
+
+
+def _math_attention(q, k, v, bias, key_mask, causal, dropout_p):
+    # (b, h, sq, sk) scores; no sqrt(d) scaling in T5.
+    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1))
+    if bias is not None:
+        scores = scores + bias.unsqueeze(0)
+    allowed = _allowed_mask(q.shape[0], q.shape[1], k.shape[1], key_mask, causal, q.device)
+    if allowed is not None:
+        # Like HF: masked scores become the dtype's minimum (a fully masked row turns uniform, not NaN).
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores.float(), dim=-1).type_as(scores)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    out = torch.matmul(probs.to(v.dtype), v.transpose(1, 2))  # (b, h, sq, d)
+    return out.transpose(1, 2)
+
+
+def _sdpa_attention(q, k, v, bias, key_mask, causal, dropout_p):
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    mask = None
+    if bias is not None:
+        mask = bias.to(q.dtype).unsqueeze(0)
+    allowed = _allowed_mask(b, sq, sk, key_mask, causal, q.device)
+    if allowed is not None:
+        additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        additive = additive.masked_fill(~allowed, torch.finfo(q.dtype).min)
+        mask = additive if mask is None else mask + additive
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        scale=1.0,
+    )
+    return out.transpose(1, 2)
+
+
+def _flex_attention(q, k, v, bias, key_mask, causal):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    sk, sq = k.shape[1], q.shape[1]
+    neg = torch.finfo(torch.float32).min
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if bias is not None:
+            score = score + bias[h, q_idx, kv_idx]
+        if key_mask is not None:
+            score = torch.where(key_mask[b, kv_idx], score, neg)
+        if causal:
+            score = torch.where(kv_idx <= q_idx + (sk - sq), score, neg)
+        return score
+
+    out = flex_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, scale=1.0
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,357 @@
+"""T5 v1.1 encoder-decoder with Hugging Face parameter names (original T5 as an option).
+
+Every parameter lives under exactly the name and shape it has in an HF T5 checkpoint
+(`shared.weight`, `encoder.block.0.layer.0.SelfAttention.q.weight`, ..., `lm_head.weight`), so
+`state_dict()` / `load_state_dict()` speak HF names with no conversion (DeepSpeed checkpoints too).
+Speed comes from the forward pass instead: q/k/v (and wi_0/wi_1) weights are concatenated on the fly
+so each projection is one GEMM, the relative bias is computed once per stack as (heads, q, k) fp32,
+and attention goes through `attention.attention` (fused Triton kernel on CUDA).
+
+Numerics follow HF: RMS norm in fp32 (no mean, no bias), fp32 residual stream, no 1/sqrt(d_kv)
+scaling, loss in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.model.attention import attention, relative_position_bucket
+from training.model.config import T5Config
+from training.model.cross_entropy import fused_linear_cross_entropy
+
+
+class Seq2SeqOutput(NamedTuple):
+    """What `T5ForConditionalGeneration.forward` returns (a NamedTuple: torch.compile returns it as is)."""
+
+    # Mean fp32 cross-entropy over label positions != -100 (None without labels).
+    loss: torch.Tensor | None
+    # (batch, target_len, vocab) fp32 logits, or None when forward(return_logits=False).
+    logits: torch.Tensor | None
+
+
+class T5LayerNorm(nn.Module):
+    """RMS norm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32; no bias, no mean subtraction."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x32 = x32.to(self.weight.dtype)
+        return self.weight * x32
+
+
+class T5Attention(nn.Module):
+    """Multi-head attention with HF's q/k/v/o names; block 0 of a stack also owns the bias table."""
+
+    def __init__(self, config: T5Config, has_relative_attention_bias: bool) -> None:
+        super().__init__()
+        inner = config.num_heads * config.d_kv
+        self.n_heads, self.d_kv = config.num_heads, config.d_kv
+        self.q = nn.Linear(config.d_model, inner, bias=False)
+        self.k = nn.Linear(config.d_model, inner, bias=False)
+        self.v = nn.Linear(config.d_model, inner, bias=False)
+        self.o = nn.Linear(inner, config.d_model, bias=False)
+        self.has_relative_attention_bias = has_relative_attention_bias
+        if has_relative_attention_bias:
+            self.relative_attention_bias = nn.Embedding(
+                config.relative_attention_num_buckets, config.num_heads
+            )
+        self.dropout_rate = config.dropout_rate
+        self.backend = config.attention_backend
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_input: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        cache: dict | None = None,
+        cache_prefix: str = "self",
+    ) -> torch.Tensor:
+        b, sq, _ = x.shape
+        heads = (self.n_heads, self.d_kv)
+        if kv_input is None:  # self-attention: one GEMM for q, k and v
+            qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]))
+            q, k, v = (t.view(b, sq, *heads) for t in qkv.chunk(3, dim=-1))
+            if cache is not None:  # incremental decoding: append to the past keys/values
+                if f"{cache_prefix}_k" in cache:
+                    k = torch.cat([cache[f"{cache_prefix}_k"], k], dim=1)
+                    v = torch.cat([cache[f"{cache_prefix}_v"], v], dim=1)
+                cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
+        else:  # cross-attention: keys/values from the encoder output (computed once when caching)
+            q = self.q(x).view(b, sq, *heads)
+            if cache is not None and f"{cache_prefix}_k" in cache:
+                k, v = cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"]
+            else:
+                kv = F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
+                k, v = (t.view(b, kv_input.shape[1], *heads) for t in kv.chunk(2, dim=-1))
+                if cache is not None:
+                    cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
+        dropout_p = self.dropout_rate if self.training else 0.0
+        out = attention(q, k, v, bias, key_mask, causal, self.backend, dropout_p)
+        return self.o(out.reshape(b, sq, self.n_heads * self.d_kv))
+
+
+class T5DenseGatedActDense(nn.Module):
+    """T5 v1.1 FFN: wo(gelu_tanh(wi_0 x) * wi_1 x), wi_0/wi_1 run as one GEMM."""
+
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, lin = F.linear(x, torch.cat([self.wi_0.weight, self.wi_1.weight])).chunk(2, dim=-1)
+        return self.wo(self.dropout(F.gelu(gate, approximate="tanh") * lin))
+
+
+class T5DenseActDense(nn.Module):
+    """Original T5 FFN: wo(relu(wi x))."""
+
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.dropout(F.relu(self.wi(x))))
+
+
+class T5LayerSelfAttention(nn.Module):
+    def __init__(self, config: T5Config, has_relative_attention_bias: bool) -> None:
+        super().__init__()
+        self.SelfAttention = T5Attention(config, has_relative_attention_bias)
+        self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+
+class T5LayerCrossAttention(nn.Module):
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        self.EncDecAttention = T5Attention(config, has_relative_attention_bias=False)
+        self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+
+class T5LayerFF(nn.Module):
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        self.DenseReluDense = T5DenseGatedActDense(config) if config.is_gated_act else T5DenseActDense(config)
+        self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+
+class T5Block(nn.Module):
+    """Pre-norm block: self-attention, (cross-attention,) FFN; HF layout `layer.{0,1,2}`."""
+
+    def __init__(self, config: T5Config, is_decoder: bool, has_relative_attention_bias: bool) -> None:
+        super().__init__()
+        self.is_decoder = is_decoder
+        layers: list[nn.Module] = [T5LayerSelfAttention(config, has_relative_attention_bias)]
+        if is_decoder:
+            layers.append(T5LayerCrossAttention(config))
+        layers.append(T5LayerFF(config))
+        self.layer = nn.ModuleList(layers)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        bias: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_key_mask: torch.Tensor | None = None,
+        cache: dict | None = None,
+    ) -> torch.Tensor:
+        sa = self.layer[0]
+        h = h + sa.dropout(
+            sa.SelfAttention(
+                sa.layer_norm(h), bias=bias, key_mask=key_mask, causal=self.is_decoder, cache=cache
+            )
+        )
+        if self.is_decoder:
+            ca = self.layer[1]
+            h = h + ca.dropout(
+                ca.EncDecAttention(
+                    ca.layer_norm(h),
+                    kv_input=encoder_hidden_states,
+                    key_mask=encoder_key_mask,
+                    cache=cache,
+                    cache_prefix="cross",
+                )
+            )
+        ff = self.layer[-1]
+        return h + ff.dropout(ff.DenseReluDense(ff.layer_norm(h)))
+
+
+class T5Stack(nn.Module):
+    """Encoder or decoder: embeddings (shared module), blocks, final RMS norm."""
+
+    def __init__(self, config: T5Config, embed_tokens: nn.Embedding, is_decoder: bool) -> None:
+        super().__init__()
+        self.config, self.is_decoder = config, is_decoder
+        self.embed_tokens = embed_tokens  # the same module as T5ForConditionalGeneration.shared
+        n = config.num_decoder_layers if is_decoder else config.num_layers
+        self.block = nn.ModuleList(
+            T5Block(config, is_decoder, has_relative_attention_bias=i == 0) for i in range(n)
+        )
+        self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def position_bias(self, q_len: int, k_len: int, q_offset: int, device: torch.device) -> torch.Tensor:
+        """(heads, q_len, k_len) fp32 learned bias; queries sit at positions q_offset .. q_offset+q_len-1."""
+        q_pos = torch.arange(q_offset, q_offset + q_len, device=device)
+        rel = torch.arange(k_len, device=device)[None, :] - q_pos[:, None]  # key - query
+        buckets = relative_position_bucket(
+            rel,
+            bidirectional=not self.is_decoder,
+            num_buckets=self.config.relative_attention_num_buckets,
+            max_distance=self.config.relative_attention_max_distance,
+        )
+        table = self.block[0].layer[0].SelfAttention.relative_attention_bias
+        return table(buckets).permute(2, 0, 1).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        caches: list[dict] | None = None,
+        past_length: int = 0,
+    ) -> torch.Tensor:
+        h = self.dropout(self.embed_tokens(input_ids))
+        q_len = input_ids.shape[1]
+        bias = self.position_bias(q_len, past_length + q_len, past_length, input_ids.device)
+        key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        enc_mask = None if encoder_attention_mask is None else encoder_attention_mask.to(torch.bool)
+        for i, block in enumerate(self.block):
+            h = block(
+                h, bias, key_mask, encoder_hidden_states, enc_mask, None if caches is None else caches[i]
+            )
+        return self.dropout(self.final_layer_norm(h))
+
+
+class T5ForConditionalGeneration(nn.Module):
+    """T5 encoder-decoder with an LM head; parameter names are those of HF checkpoints."""
+
+    def __init__(self, config: T5Config) -> None:
+        super().__init__()
+        self.config = config
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = T5Stack(config, self.shared, is_decoder=False)
+        self.decoder = T5Stack(config, self.shared, is_decoder=True)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.shared.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """T5 v1.1 / nanoT5 init (HF `T5PreTrainedModel._init_weights`), scaled by initializer_factor."""
+        c, f = self.config, self.config.initializer_factor
+        nn.init.normal_(self.shared.weight, std=f * 1.0)
+        if not c.tie_word_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=f * 1.0)
+        for m in self.modules():
+            if isinstance(m, T5LayerNorm):
+                nn.init.constant_(m.weight, f * 1.0)
+            elif isinstance(m, T5Attention):
+                nn.init.normal_(m.q.weight, std=f * (c.d_model * c.d_kv) ** -0.5)
+                nn.init.normal_(m.k.weight, std=f * c.d_model**-0.5)
+                nn.init.normal_(m.v.weight, std=f * c.d_model**-0.5)
+                nn.init.normal_(m.o.weight, std=f * (c.num_heads * c.d_kv) ** -0.5)
+                if m.has_relative_attention_bias:
+                    nn.init.normal_(m.relative_attention_bias.weight, std=f * c.d_model**-0.5)
+            elif isinstance(m, T5DenseGatedActDense):
+                nn.init.normal_(m.wi_0.weight, std=f * c.d_model**-0.5)
+                nn.init.normal_(m.wi_1.weight, std=f * c.d_model**-0.5)
+                nn.init.normal_(m.wo.weight, std=f * c.d_ff**-0.5)
+            elif isinstance(m, T5DenseActDense):
+                nn.init.normal_(m.wi.weight, std=f * c.d_model**-0.5)
+                nn.init.normal_(m.wo.weight, std=f * c.d_ff**-0.5)
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (a tied lm_head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def shift_right(self, labels: torch.Tensor) -> torch.Tensor:
+        """Decoder inputs: decoder_start_token_id, then labels[:-1], with -100 replaced by pad."""
+        shifted = labels.new_full(labels.shape, self.config.decoder_start_token_id)
+        shifted[:, 1:] = labels[:, :-1]
+        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder(input_ids, attention_mask)
+
+    def head_input(self, decoder_hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.scale_decoder_outputs:
+            decoder_hidden = decoder_hidden * self.config.d_model**-0.5
+        return decoder_hidden
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        return_logits: bool = True,
+    ) -> Seq2SeqOutput:
+        """Loss (mean fp32 CE over labels != -100) and logits; return_logits=False skips the logits
+        tensor and, with labels, uses the chunked fused linear + cross-entropy (no (B, T, V) tensor)."""
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("T5ForConditionalGeneration.forward needs labels or decoder_input_ids")
+            decoder_input_ids = self.shift_right(labels)
+        enc = self.encoder(input_ids, attention_mask)
+        dec = self.decoder(
+            decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=enc,
+            encoder_attention_mask=attention_mask,
+        )
+        dec = self.head_input(dec)
+        if not return_logits and labels is not None:
+            loss = fused_linear_cross_entropy(dec, self.lm_head.weight, labels)
+            return Seq2SeqOutput(loss=loss, logits=None)
+        logits = self.lm_head(dec).float()
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+        return Seq2SeqOutput(loss=loss, logits=logits if return_logits else None)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Standard load that also accepts HF files where tied aliases were dropped on save
+        (`encoder.embed_tokens.weight`, `decoder.embed_tokens.weight`, tied `lm_head.weight`)."""
+        state_dict = dict(state_dict)
+        for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            if "shared.weight" not in state_dict and alias in state_dict:
+                state_dict["shared.weight"] = state_dict[alias]
+        for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            state_dict.setdefault(alias, state_dict.get("shared.weight"))
+        if self.config.tie_word_embeddings:
+            state_dict.setdefault("lm_head.weight", state_dict.get("shared.weight"))
+        state_dict = {k: v for k, v in state_dict.items() if v is not None}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128
+    ) -> torch.Tensor:
+        """Greedy decoding with a key/value cache (see `generation.greedy_generate`)."""
+        from training.model.generation import greedy_generate
+
+        return greedy_generate(self, input_ids, attention_mask, max_new_tokens)

@@ -1,0 +1,204 @@
+"""What every optimizer of the registry shares: a non-finite gradient guard and ZeRO flat layouts.
+
+`PartitionAwareMixin` goes in front of a `torch.optim.Optimizer` subclass. It
+
+- remembers which tensors it was built with (the model's), so that it can tell when DeepSpeed has
+  swapped them for flattened fp32 partitions, and holds the `FlatLayout`s `bind_zero_layout` gives
+  it for those partitions;
+- skips the whole update when any gradient on any rank is non-finite (`nonfinite_guard`), keeping
+  the counters `skipped_steps` and `consecutive_skips` for the training loop;
+- computes the global L2 norm of the weights it steps (`weight_l2_norm`), all-reducing over the
+  partition groups where the parameters are partitioned and not where they are replicated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training.optim.zero_layout import FlatLayout
+
+logger = logging.getLogger(__name__)
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Device a tensor must live on for a collective over `group` (NCCL needs CUDA)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def distributed_world(group: Any = None) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group=group)
+
+
+class PartitionAwareMixin:
+    """Mixin for `torch.optim.Optimizer` subclasses; call `_init_partition_aware` after `__init__`."""
+
+    # class-level flags a subclass may override
+    needs_tensor_layout = False  # per-tensor math: flat partitions need a bound layout
+    supports_flat_layout = True  # False: refuse flat partitions even with a layout (Adafactor)
+
+    def _init_partition_aware(self, skip_nonfinite: bool = True, guard_group: Any = None) -> None:
+        self.skip_nonfinite = skip_nonfinite  # check grads for inf/nan before each update
+        self.guard_group = guard_group  # process group for the flag all-reduce (None: world)
+        self.skipped_steps = 0  # updates skipped because of a non-finite gradient, since construction
+        self.consecutive_skips = 0  # skipped updates since the last applied one
+        self.flat_layouts: dict[int, FlatLayout] = {}  # id(flat partition) -> layout (bind_zero_layout)
+        self._original_ids: set[int] = set()  # id() of the tensors the optimizer was built with
+        self._original_shapes: dict[int, list[tuple]] = {}  # id(param group dict) -> original shapes
+        for group in self.param_groups:
+            self._record_group(group)
+
+    # ---- parameters: model tensors or bound flat partitions -----------------------------------
+    def bind_flat_layouts(self, layouts: list[FlatLayout]) -> None:
+        """Register the layouts of the flat partitions DeepSpeed will hand this optimizer."""
+        if not self.supports_flat_layout:
+            raise RuntimeError(self._flat_refusal_message())
+        for layout in layouts:
+            if layout.flat_param is None:
+                raise ValueError("FlatLayout.flat_param must be the flat partition tensor")
+            if layout.numel != layout.flat_param.numel():
+                raise ValueError(
+                    f"layout covers {layout.numel} elements, partition has {layout.flat_param.numel()}"
+                )
+            self.flat_layouts[id(layout.flat_param)] = layout
+
+    def _flat_refusal_message(self) -> str:
+        return (
+            f"{type(self).__name__} works on whole weight matrices and cannot run on DeepSpeed's "
+            "flattened partitions (ZeRO 1/2/3 or the bf16 optimizer). Use ZeRO stage 0 with fp32 or "
+            "torch_autocast precision, or another optimizer (adamwscale, adamw)."
+        )
+
+    def _group_layouts(self, group: dict, params: list[torch.Tensor]) -> list[FlatLayout | None]:
+        """Per param of `group`: None (a whole model tensor) or the bound layout of a flat partition.
+
+        Tensors the optimizer was not built with are accepted as whole tensors only when the group
+        still has the original count and shapes (DeepSpeed's per-tensor fp32 master copies, e.g. the
+        bf16 ZeRO-0 `FP16_UnfusedOptimizer`, which steps once inside `deepspeed.initialize`).
+        """
+        out: list[FlatLayout | None] = []
+        unknown = False
+        for p in params:
+            if id(p) in self._original_ids:
+                out.append(None)
+            elif id(p) in self.flat_layouts:
+                if not self.supports_flat_layout:
+                    raise RuntimeError(self._flat_refusal_message())
+                out.append(self.flat_layouts[id(p)])
+            else:
+                out.append(None)
+                unknown = True
+        if unknown and [tuple(p.shape) for p in group["params"]] != self._original_shapes.get(id(group)):
+            if not self.supports_flat_layout:
+                raise RuntimeError(self._flat_refusal_message())
+            if self.needs_tensor_layout:
+                raise RuntimeError(
+                    f"{type(self).__name__} received parameters it was not built with (shapes "
+                    f"{[tuple(p.shape) for p in params][:3]}): DeepSpeed replaced the model tensors by flat "
+                    "partitions, and the per-tensor RMS would be computed over the wrong elements. Call "
+                    "training.optim.bind_zero_layout(engine) right after deepspeed.initialize(...)."
+                )
+            # element-wise optimizer (or the deliberately naive mode): a partition is just a tensor
+        return out
+
+    def _is_unbound_flat(self, p: torch.Tensor) -> bool:
+        if id(p) in self._original_ids or id(p) in self.flat_layouts:
+            return False
+        return not any(
+            p is q
+            for g in self.param_groups
+            for q in g["params"]
+            if [tuple(t.shape) for t in g["params"]] == self._original_shapes.get(id(g))
+        )
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)  # type: ignore[misc]
+        if hasattr(self, "_original_ids"):
+            self._record_group(self.param_groups[-1])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch rebuilds the group dicts on load: carry the recorded original shapes over."""
+        shapes = [self._original_shapes.get(id(g)) for g in self.param_groups]
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        for group, recorded in zip(self.param_groups, shapes):
+            if recorded is not None:
+                self._original_shapes[id(group)] = recorded
+
+    def _record_group(self, group: dict) -> None:
+        self._original_ids.update(id(p) for p in group["params"])
+        self._original_shapes[id(group)] = [tuple(p.shape) for p in group["params"]]
+
+    # ---- non-finite guard --------------------------------------------------------------------
+    def _grads_finite_everywhere(self) -> bool:
+        """True when every gradient on every rank of the guard group is finite. One collective."""
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        world = distributed_world(self.guard_group)
+        device = collective_device(self.guard_group) if world > 1 else (grads[0].device if grads else "cpu")
+        ok = torch.ones((), dtype=torch.float32, device=device)
+        if grads:
+            maxabs = torch._foreach_norm(grads, ord=math.inf)  # inf for inf, nan for nan
+            ok = torch.stack([m.float().to(device) for m in maxabs]).isfinite().all().float()
+        if world > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.guard_group)
+        return bool(ok.item())
+
+    def _guard_allows_step(self) -> bool:
+        if not self.skip_nonfinite:
+            return True
+        if self._grads_finite_everywhere():
+            self.consecutive_skips = 0
+            return True
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        logger.warning(
+            "%s: non-finite gradient on some rank, update skipped (%d skipped in total, %d in a row)",
+            type(self).__name__,
+            self.skipped_steps,
+            self.consecutive_skips,
+        )
+        return False
+
+    # ---- weight norm for logging -------------------------------------------------------------
+    @torch.no_grad()
+    def weight_l2_norm(self) -> float:
+        """Global L2 norm of all weights this optimizer steps, the same value on every rank.
+
+        Model tensors are replicated (ZeRO 0): summed locally. Bound flat partitions are disjoint
+        pieces: their sums of squares are all-reduced over each partition's group. A collective:
+        call it on every rank.
+        """
+        local = 0.0
+        by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        seen: set[int] = set()
+        params = [p for g in self.param_groups for p in g["params"]]
+        params += [layout.flat_param for layout in self.flat_layouts.values()]  # ZeRO-3 empties param_groups
+        for p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            layout = self.flat_layouts.get(id(p))
+            if layout is None and self._is_unbound_flat(p):
+                raise RuntimeError(
+                    "weight_l2_norm: parameters are flat partitions but no layout was bound; "
+                    "call training.optim.bind_zero_layout(engine) after deepspeed.initialize"
+                )
+            sq = p.detach().float().pow(2).sum()
+            if layout is not None and layout.partitioned:
+                key = id(layout.process_group)
+                by_group.setdefault(key, (layout.process_group, []))[1].append(sq)
+            else:
+                local += float(sq)
+        total = local
+        for group, sums in by_group.values():
+            vec = torch.stack(sums).sum().reshape(1).to(collective_device(group))
+            dist.all_reduce(vec, group=group)
+            total += float(vec)
+        return math.sqrt(total)

@@ -1,0 +1,251 @@
+"""Pre-train T5 v1.1 with T5 span corruption on DeepSpeed.
+
+    deepspeed training/pretrain.py --config training/configs/t5_base_c4.yaml \
+        --deepspeed_config ds_configs/zero2.json [key=value ...]
+    python training/pretrain.py --config training/configs/tiny_demo.yaml      # one process
+
+The loop below reads top to bottom: build everything, resume if the run directory holds a
+checkpoint, then train with periodic logging, evaluation and checkpoints until the step count or
+the time budget is reached, or a stop signal asks for a checkpoint and a requeue.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script (`deepspeed training/pretrain.py`): import the repo
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import logging
+import time
+
+import torch
+
+from training.budget import Horizon, TimeBudget
+from training.distributed import DistInfo, all_reduce_sum, init_distributed
+from training.metrics import MetricsLogger, setup_logging, train_line
+from training.run_setup import (
+    build_model,
+    build_optimizer_and_schedule,
+    capture_rng_state,
+    matmul_peak_tflops,
+    replicated_grad_l2,
+    restore_rng_state,
+    sha256_of,
+)
+from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE, StopRequest
+
+logger = logging.getLogger("t5ds.pretrain")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="training/configs/t5_base_c4.yaml", help="run config (YAML)")
+    parser.add_argument("--deepspeed_config", default=None,
+                        help="DeepSpeed config; switch ZeRO stage by switching this file "
+                             "(default: the run config's ds_config, ds_configs/zero0.json unless set)")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. optim.base_lr=1e-2")
+    return parser.parse_args(argv)
+
+
+def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
+    """Run (or resume) pre-training; returns the process exit code."""
+    import deepspeed
+
+    from training.checkpoint import CheckpointManager
+    from training.config import dump_yaml, micro_batch_size
+    from training.data import PretrainBatches, validation_batches
+    from training.ds_config import resolve_ds_config
+    from training.evaluation import evaluate_span_corruption
+    from training.export import write_model_config
+    from training.model.flops import model_flops_per_step
+    from training.optim import bind_zero_layout, weight_l2_norm
+
+    rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
+    out_dir = Path(cfg.output_dir)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
+    model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)
+    ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
+    micro_bs = micro_batch_size(cfg, world_size)
+    tokenizer_sha = sha256_of(cfg.data.tokenizer)
+    train_batches = PretrainBatches(
+        cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_bs,
+        grad_acc=cfg.optim.grad_acc, seed=cfg.seed, input_length=cfg.data.input_length,
+        noise_density=cfg.data.noise_density, mean_noise_span_length=cfg.data.mean_noise_span_length,
+        expected_tokenizer_sha256=tokenizer_sha, vocab_size=model_cfg.vocab_size,
+        num_workers=cfg.data.num_workers,
+    )
+    target_length = train_batches.target_length
+    horizon = Horizon(total_steps=cfg.optim.total_steps)
+    optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, dist_init_required=False)
+    bind_zero_layout(engine, optimizer)
+    if cfg.model.compile and device.type == "cuda":
+        engine.compile()
+
+    # --- resume -----------------------------------------------------------------------------
+    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
+    step, elapsed_before = 0, 0.0
+    resume_from = ckpt.find_resumable()
+    if resume_from is not None:
+        step, rank_state = ckpt.load(engine, resume_from)
+        train_batches.load_state_dict(rank_state["data"])
+        restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
+        elapsed_before = rank_state.get("elapsed_s", 0.0)
+        horizon.total_steps = rank_state.get("horizon_steps", horizon.total_steps)
+        logger.info("resumed from %s at step %d", resume_from, step)
+    budget = TimeBudget(cfg.budget.hours, elapsed_before_s=elapsed_before)
+
+    metrics = MetricsLogger(out_dir, rank=rank, wandb_mode=cfg.logging.wandb,
+                            wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
+                            config=cfg.to_dict())
+    if rank == 0:
+        dump_yaml(cfg, out_dir / "config.yaml")
+        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+        write_model_config(out_dir, model_cfg)
+    metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "world_size": world_size,
+                          "parameters": sum(p.numel() for p in model.parameters())})
+
+    val_batches = list(validation_batches(
+        cfg.data.dir, rank=rank, world_size=world_size, batch_size=max(1, cfg.eval.batch_size // world_size),
+        max_samples=cfg.eval.max_samples or None, seed=cfg.seed, input_length=cfg.data.input_length,
+        noise_density=cfg.data.noise_density, mean_noise_span_length=cfg.data.mean_noise_span_length,
+        expected_tokenizer_sha256=tokenizer_sha, vocab_size=model_cfg.vocab_size,
+    ))
+
+    def run_eval() -> dict:
+        result = evaluate_span_corruption(engine, val_batches, device)
+        metrics.log("eval", {"step": step, **result})
+        logger.info("[eval] Step %d | Loss --> %.4f | Accuracy --> %.4f | Tokens --> %d", step,
+                    result["eval_loss"], result["eval_accuracy"], result["eval_tokens"])
+        return result
+
+    def save_checkpoint() -> None:
+        rank_state = {"data": train_batches.state_dict(), "rng": capture_rng_state(), "world_size": world_size,
+                      "elapsed_s": budget.elapsed_s(), "horizon_steps": horizon.total_steps,
+                      "skipped_steps": skipped_steps}
+        path = ckpt.save(engine, step, rank_state)
+        metrics.log("event", {"step": step, "event": "checkpoint", "path": str(path)})
+
+    # --- the loop ---------------------------------------------------------------------------
+    tokens_per_step = cfg.optim.batch_size * (cfg.data.input_length + target_length)
+    flops_per_step = model_flops_per_step(model_cfg, cfg.optim.batch_size, cfg.data.input_length, target_length)
+    peak_tflops = matmul_peak_tflops(device)  # None on CPU: MFU is reported on GPUs only
+    stop = StopRequest()
+    exit_code = 0
+    skipped_steps = rank_state.get("skipped_steps", 0) if resume_from is not None else 0
+    consecutive_skips, last_skip_calls = 0, optimizer.skipped_steps + engine.skipped_steps
+    window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.perf_counter()
+    window_data_wait = 0.0  # seconds spent waiting in next(train_batches) in this logging window
+    engine.train()
+    while step < horizon.total_steps:
+        log_now = (step + 1) % cfg.logging.every_steps == 0 or step + 1 == horizon.total_steps
+        grad_l2 = None
+        for micro in range(cfg.optim.grad_acc):
+            wait_start = time.perf_counter()
+            batch = next(train_batches)
+            window_data_wait += time.perf_counter() - wait_start
+            out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
+                         labels=batch["labels"].to(device, non_blocking=True), return_logits=False)
+            engine.backward(out.loss)
+            if log_now and micro == cfg.optim.grad_acc - 1 and engine.zero_optimization_stage() == 0:
+                # ZeRO 1-3 record the pre-clipping gradient norm; ZeRO 0 does not, so take it here,
+                # after the gradients were all-reduced and before engine.step() clips them.
+                grad_l2 = replicated_grad_l2(model)
+            engine.step()  # DeepSpeed applies the update only at the gradient-accumulation boundary
+            window_loss += out.loss.detach().float() / cfg.optim.grad_acc
+        step += 1
+        window_steps += 1
+        budget.mark_step(step)
+
+        # A non-finite gradient is caught either by our optimizer's guard or, under ZeRO 1-3 and the
+        # bf16 wrappers, by DeepSpeed before our optimizer runs: watch both counters, count steps.
+        skip_calls = optimizer.skipped_steps + engine.skipped_steps
+        if skip_calls > last_skip_calls:
+            skipped_steps, consecutive_skips = skipped_steps + 1, consecutive_skips + 1
+            logger.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)", step,
+                           consecutive_skips)
+        else:
+            consecutive_skips = 0
+        last_skip_calls = skip_calls
+        if consecutive_skips >= cfg.optim.max_nonfinite_steps:
+            logger.error("%d updates in a row had a non-finite loss or gradient (%d skipped in all): stopping. "
+                         "Lower optim.base_lr, check the data, or resume from an earlier checkpoint.",
+                         consecutive_skips, skipped_steps)
+            metrics.log("event", {"step": step, "event": "nonfinite_stop", "skipped_steps": skipped_steps})
+            exit_code = EXIT_NONFINITE
+            break
+
+        if step % cfg.logging.every_steps == 0 or step == horizon.total_steps:
+            loss = all_reduce_sum([window_loss.item()], device)[0] / (world_size * window_steps)
+            seconds_per_step = (time.perf_counter() - window_start) / window_steps
+            if grad_l2 is None:
+                grad_l2 = engine.get_global_grad_norm()
+            record = {
+                "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                "grad_l2": None if grad_l2 is None else float(grad_l2),
+                "weights_l2": weight_l2_norm(optimizer),
+                "seconds_per_step": seconds_per_step, "tokens_per_s": tokens_per_step / seconds_per_step,
+                "mfu": None if peak_tflops is None
+                else flops_per_step / seconds_per_step / (peak_tflops * 1e12 * world_size),
+                "skipped_steps": skipped_steps, "elapsed_s": budget.elapsed_s(),
+                # seconds per step this rank waited for the loader (0 when it keeps ahead of the GPU)
+                "data_wait_s": window_data_wait / window_steps,
+            }
+            if device.type == "cuda":
+                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            metrics.log("train", record)
+            logger.info(train_line(record, horizon.total_steps))
+            window_loss.zero_()
+            window_steps, window_data_wait, window_start = 0, 0.0, time.perf_counter()
+
+        if cfg.budget.hours is not None and budget.check(step, cfg.optim.total_steps, horizon):
+            logger.info("time budget of %.2f h spent at step %d", cfg.budget.hours, step)
+            break
+        if stop.agreed():
+            save_checkpoint()
+            exit_code = EXIT_REQUEUE
+            break
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < horizon.total_steps:
+            run_eval()
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < horizon.total_steps:
+            save_checkpoint()
+
+    if exit_code == 0:
+        result = run_eval()
+        save_checkpoint()
+        if rank == 0:
+            print(f"held-out loss {result['eval_loss']:.4f} (token accuracy {result['eval_accuracy']:.4f}, "
+                  f"{result['eval_tokens']} target tokens) after {step} steps; run directory {out_dir}", flush=True)
+    metrics.log("event", {"step": step, "event": "exit", "exit_code": exit_code})
+    metrics.close()
+    stop.restore()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    from training.config import load_run_config
+
+    args = parse_args(argv)
+    cfg = load_run_config(args.config, args.overrides)
+    dist_info = init_distributed(cfg.device)
+    setup_logging(dist_info.rank)
+    try:
+        return train(cfg, args.deepspeed_config, dist_info)
+    except Exception:
+        # The launcher (deepspeed, torchrun, srun) ends the other ranks when one exits non-zero.
+        logger.exception("training failed on rank %d", dist_info.rank)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

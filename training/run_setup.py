@@ -1,0 +1,133 @@
+"""Building blocks of a training run that the entry points (pretrain, finetune) share:
+the model from the run config, the optimizer and its schedule, RNG state capture, file hashes
+and the GPU's measured matmul ceiling (for MFU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.budget import Horizon
+
+logger = logging.getLogger(__name__)
+
+
+def sha256_of(path: str | Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {path} not found: set data.tokenizer to the SentencePiece model "
+                                "the shards were made with (assets/t5/spiece.model for T5)")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_model(model_section, device: torch.device, init: str | None = None):
+    """The model to train, on `device`, with fp32 master weights.
+
+    `init` picks the starting weights: None or "random" gives a fresh `model_section.preset`; a
+    directory holding model_config.json is one of our runs (its newest complete checkpoint); any
+    other path is a Hugging Face T5 directory or a nanoT5 state dict (shaped as the preset).
+    Dropout and the attention backend always come from `model_section`.
+    """
+    from dataclasses import replace
+
+    from training.model import T5Config, T5ForConditionalGeneration
+
+    overrides = {"dropout_rate": model_section.dropout_rate, "attention_backend": model_section.attention_backend}
+    if init in (None, "", "random"):
+        model = T5ForConditionalGeneration(T5Config.from_preset(model_section.preset, **overrides))
+    elif (Path(init) / "model_config.json").is_file():
+        from training.export import load_run_model
+
+        trained, checkpoint = load_run_model(init)
+        model = T5ForConditionalGeneration(replace(trained.config, **overrides))
+        model.load_state_dict(trained.state_dict())
+        logger.info("initialised from our run %s (%s)", init, checkpoint.name)
+    elif Path(init).exists():
+        from training.model.hf_compat import load_pretrained
+
+        model = load_pretrained(init, preset=model_section.preset, **overrides)
+        logger.info("initialised from %s", init)
+    else:
+        raise FileNotFoundError(f"init={init!r} is neither `random` nor an existing run directory, Hugging Face "
+                                "directory or state-dict file")
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model %s: %.1fM parameters", init or model_section.preset, n_params / 1e6)
+    return model.to(device), model.config
+
+
+def build_optimizer_and_schedule(cfg, model: torch.nn.Module, horizon: Horizon):
+    """The run's optimizer (by name) and a LambdaLR whose horizon can be re-fitted to a time budget."""
+    from training.optim import build_optimizer, lr_at
+
+    o = cfg.optim
+    optimizer = build_optimizer(o.name, model, lr=o.base_lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
+                                eps=o.eps)
+
+    def lr_factor(step: int) -> float:
+        lr = lr_at(o.lr_scheduler, step, base_lr=o.base_lr, warmup_steps=o.warmup_steps,
+                   total_steps=horizon.total_steps, final_lr=o.final_cosine)
+        return lr / o.base_lr
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    return optimizer, scheduler
+
+
+def replicated_grad_l2(model: torch.nn.Module) -> float:
+    """L2 norm of all gradients of a model whose gradients are whole on every rank (ZeRO 0)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0))
+
+
+def capture_rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict | None, *, same_world: bool) -> None:
+    """Restore this rank's RNG streams. After a change of world size a rank may get another rank's
+    state; that only affects dropout noise, never the data (its noise is keyed by sample index)."""
+    if not state:
+        return
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if not same_world:
+        logger.info("world size changed since the checkpoint: RNG streams taken from the saved ranks")
+
+
+def matmul_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> float | None:
+    """Measured bf16 dense matmul throughput of this GPU (TFLOP/s), the ceiling MFU is quoted against.
+
+    None on CPU. Takes well under a second on an H100.
+    """
+    if device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - start) / repeats
+    del a, b
+    return 2 * n**3 / seconds / 1e12

@@ -1,0 +1,85 @@
+"""Time SNI generation (the costly part of `evaluate_sni`) for a model size on this machine.
+
+    python -m training.sni.benchmark_eval --data /work/shared/data/sni --preset base \
+        --instances 1024 --batch-sizes 32 64 128 [--checkpoint HF_DIR] [--dtype bf16]
+
+Without --checkpoint the model is randomly initialised: it never emits EOS, so every batch runs the
+full 128 decoding steps (an upper bound; a fine-tuned model answers in ~9 tokens on average and a
+batch stops when all its rows have). Prints one JSON line per batch size with instances/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from training.sni.encoding import SNITokenizer
+from training.sni.evaluate import build_eval_set, generate_predictions
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True)
+    p.add_argument("--preset", default="base")
+    p.add_argument("--checkpoint", default=None, help="HF directory (default: random init of --preset)")
+    p.add_argument("--instances", type=int, default=1024, help="random sample of test instances")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    tokenizer = SNITokenizer()
+    eval_set = build_eval_set(args.data, tokenizer)
+    examples = random.Random(0).sample(eval_set.examples, min(args.instances, len(eval_set.examples)))
+    if args.checkpoint:
+        from training.evaluate_sni import load_model_for_eval
+
+        model = load_model_for_eval(args.checkpoint, device=device, dtype=dtype)
+    else:
+        from training.model import T5Config, T5ForConditionalGeneration
+
+        torch.manual_seed(0)
+        model = (
+            T5ForConditionalGeneration(T5Config.from_preset(args.preset))
+            .to(device=device, dtype=dtype)
+            .eval()
+        )
+    generate_predictions(
+        model, examples[:8], tokenizer, batch_size=8, max_new_tokens=4, device=device
+    )  # warm-up
+    for batch_size in args.batch_sizes:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.time()
+        generate_predictions(
+            model, examples, tokenizer, batch_size, max_new_tokens=args.max_new_tokens, device=device
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.time() - start
+        row = {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "preset": args.preset if not args.checkpoint else args.checkpoint,
+            "dtype": args.dtype,
+            "instances": len(examples),
+            "batch_size": batch_size,
+            "max_new_tokens": args.max_new_tokens,
+            "seconds": round(seconds, 2),
+            "instances_per_s": round(len(examples) / seconds, 1),
+            "full_test_set_minutes": round(len(eval_set.examples) / (len(examples) / seconds) / 60, 2),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if device.type == "cuda"
+            else None,
+        }
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

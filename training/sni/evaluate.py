@@ -1,0 +1,241 @@
+"""Generation-based SNI evaluation: greedy decoding over the test instances, split across ranks,
+gathered without duplicates or losses, scored with the official metric, written to disk.
+
+    eval_set = build_eval_set("/work/shared/data/sni", tokenizer)          # once
+    metrics = evaluate_sni(model, eval_set, tokenizer, out_dir=run_dir / "sni_eval" / f"step{step}",
+                           batch_size=32, rank=rank, world_size=world_size)  # every rank calls it
+
+Every rank generates for its share (instances sorted by prompt length, rank r takes every
+world_size-th, batches of similar length), predictions are gathered with
+`torch.distributed.all_gather_object`, rank 0 scores them and writes `predictions.jsonl` and
+`metrics.json`, and every rank returns the same metrics dict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from training.sni.encoding import EOS_ID, EncodedExample, SNITokenizer, TemplateConfig, collate, encode_tasks
+from training.sni.rouge import Reference, sni_metrics
+from training.sni.tasks import load_references, load_sni
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSet:
+    """Encoded test instances and the references to score them against."""
+
+    examples: list[EncodedExample]  # the instances to generate for
+    expected: list[Reference]  # references of those instances, plus (when evaluating every
+    # instance of the requested tasks) official references the data lacks, reported as missing
+    references: dict[str, Reference]  # by id, for the instances in `examples`
+
+
+def build_eval_set(
+    data_path: str | os.PathLike,
+    tokenizer: SNITokenizer,
+    tasks: Sequence[str] | None = None,
+    max_instances_per_task: int | None = None,
+    seed: int = 0,
+    template: TemplateConfig | None = None,
+) -> EvalSet:
+    """Test instances of the default split (all, or a seeded subset per task) with their references.
+
+    References are the instance outputs (identical to the official ones for every instance present);
+    categories come from the official test_references file next to the data when there is one, else
+    from the task's first category. With max_instances_per_task=None, official reference ids of the
+    requested tasks that the data lacks (16 partial tasks in the compact copy) are added to
+    `expected` so that the metrics list them as missing.
+    """
+    loaded = load_sni(
+        data_path, "test", tasks=tasks, max_instances_per_task=max_instances_per_task, seed=seed
+    )
+    official = load_references(data_path)
+    examples = encode_tasks(loaded, tokenizer, template)
+    references: dict[str, Reference] = {}
+    for task in loaded:
+        for inst in task.instances:
+            ref = official.get(inst.id) if official else None
+            category = ref.category if ref is not None else task.category
+            track = ref.track if ref is not None else "default"
+            references[inst.id] = Reference(inst.id, task.name, category, tuple(inst.outputs), track)
+    expected = list(references.values())
+    if official is not None and max_instances_per_task is None:
+        wanted = {t.name for t in loaded}
+        expected += [
+            Reference(r.id, r.task, r.category, r.references, r.track)
+            for r in official.values()
+            if r.task in wanted and r.id not in references
+        ]
+    return EvalSet(examples, expected, references)
+
+
+def rank_batches(
+    examples: Sequence[EncodedExample], batch_size: int, rank: int = 0, world_size: int = 1
+) -> list[list[int]]:
+    """This rank's generation batches: examples sorted by length (longest first, ties by id), rank r
+    takes every world_size-th, cut into batches. Ranks are disjoint and together cover every example;
+    their batch counts differ by at most one."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    order = sorted(range(len(examples)), key=lambda i: (-examples[i].length, examples[i].id))
+    mine = order[rank::world_size]
+    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+def decode_generated(row: Sequence[int], tokenizer: SNITokenizer) -> str:
+    """Text of one generated row (decoder start first): up to the first EOS, pad/sentinels dropped."""
+    ids = [int(t) for t in row[1:]]
+    if EOS_ID in ids:
+        ids = ids[: ids.index(EOS_ID)]
+    return tokenizer.decode(ids).strip()
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+@torch.no_grad()
+def generate_predictions(
+    model,
+    examples: Sequence[EncodedExample],
+    tokenizer: SNITokenizer,
+    batch_size: int = 32,
+    rank: int = 0,
+    world_size: int = 1,
+    max_new_tokens: int = 128,
+    device: torch.device | None = None,
+) -> dict[str, str]:
+    """Greedy predictions (id -> text) for this rank's share of `examples`.
+
+    `model.generate(input_ids, attention_mask=..., max_new_tokens=...)` must return a LongTensor
+    whose rows start with the decoder start token (our T5 and HF's do)."""
+    device = device or _model_device(model)
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    predictions: dict[str, str] = {}
+    try:
+        for indices in rank_batches(examples, batch_size, rank, world_size):
+            batch_examples = [examples[i] for i in indices]
+            batch = collate(batch_examples, with_labels=False)
+            out = model.generate(
+                batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+                max_new_tokens=max_new_tokens,
+            )
+            for example, row in zip(batch_examples, out.tolist()):
+                predictions[example.id] = decode_generated(row, tokenizer)
+    finally:
+        if was_training and hasattr(model, "train"):
+            model.train()
+    return predictions
+
+
+def gather_predictions(local: dict[str, str], world_size: int = 1, group=None) -> dict[str, str]:
+    """Union of every rank's predictions (on every rank); an id predicted twice raises."""
+    if world_size == 1:
+        return dict(local)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"world_size={world_size} but torch.distributed is not initialised")
+    parts: list = [None] * world_size
+    dist.all_gather_object(parts, sorted(local.items()), group=group)
+    merged: dict[str, str] = {}
+    for part in parts:
+        for id_, text in part:
+            if id_ in merged:
+                raise RuntimeError(f"instance {id_} was predicted by two ranks: the rank split is broken")
+            merged[id_] = text
+    return merged
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_outputs(
+    out_dir: str | os.PathLike, eval_set: EvalSet, predictions: dict[str, str], metrics: dict
+) -> None:
+    """predictions.jsonl ({"id", "task", "prediction", "references"}, in eval-set order) and metrics.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for ex in eval_set.examples:
+        ref = eval_set.references[ex.id]
+        lines.append(
+            json.dumps(
+                {
+                    "id": ex.id,
+                    "task": ex.task,
+                    "prediction": predictions[ex.id],
+                    "references": list(ref.references),
+                },
+                ensure_ascii=False,
+            )
+        )
+    _write_atomic(out / "predictions.jsonl", "\n".join(lines) + "\n")
+    _write_atomic(out / "metrics.json", json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
+
+
+def evaluate_sni(
+    model,
+    eval_set: EvalSet,
+    tokenizer: SNITokenizer,
+    out_dir: str | os.PathLike | None = None,
+    batch_size: int = 32,
+    rank: int = 0,
+    world_size: int = 1,
+    max_new_tokens: int = 128,
+    device: torch.device | None = None,
+    group=None,
+) -> dict:
+    """Generate, gather, score; rank 0 writes out_dir (if given). Every rank must call it and gets
+    the same metrics dict (see `rouge.sni_metrics`) plus "eval_seconds"."""
+    start = time.time()
+    local = generate_predictions(
+        model, eval_set.examples, tokenizer, batch_size, rank, world_size, max_new_tokens, device
+    )
+    predictions = gather_predictions(local, world_size, group)
+    lost = [ex.id for ex in eval_set.examples if ex.id not in predictions]
+    if lost:
+        raise RuntimeError(f"{len(lost)} instances got no prediction after gathering, e.g. {lost[:3]}")
+    metrics = None
+    if rank == 0:
+        metrics = sni_metrics(predictions, eval_set.expected)
+        metrics["eval_seconds"] = round(time.time() - start, 2)
+        if out_dir is not None:
+            write_outputs(out_dir, eval_set, predictions, metrics)
+        logger.info(
+            "SNI eval: rougeL %.2f exact_match %.2f over %d instances of %d tasks (%d missing) in %.0f s",
+            metrics["rougeL"],
+            metrics["exact_match"],
+            metrics["n_instances"],
+            metrics["n_tasks"],
+            metrics["n_missing"],
+            metrics["eval_seconds"],
+        )
+    if world_size > 1:
+        import torch.distributed as dist
+
+        box = [metrics]
+        dist.broadcast_object_list(box, src=0, group=group)
+        metrics = box[0]
+    return metrics
