@@ -8,13 +8,17 @@ submit jobs, poll them, stop everything.
 
 Follows /work/shared/notes/local-slurm.md: Slurm from Debian's `slurmctld slurmd slurm-client munge`
 packages, every path absolute and inside a fresh `mktemp -d`, munge auth on a private socket, the node
-line from `slurmd -C`. The daemons use the fixed ports 6817/6818, so only one LocalSlurm can run on a
-machine at a time; `stop()` must run even when a test fails (the pytest fixture uses a finalizer).
+line from `slurmd -C`. Instead of SLURM's fixed ports 6817/6818 each cluster takes two free ports
+(SlurmctldPort/SlurmdPort), so test sessions running at the same time (several people or helpers on one
+machine) get separate clusters and a leftover daemon cannot clash. `stop()` must run even when a test
+fails (the pytest fixture uses a finalizer); daemons of a session that was killed before its `stop()`
+are stopped by the next `start()` (their owner process is gone).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -27,12 +31,10 @@ from pathlib import Path
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged"]
-# Fixed by slurm.conf defaults; a leftover daemon from another run holds them.
-PORTS = (6817, 6818)
 
 
 class SlurmUnavailable(RuntimeError):
-    """This machine cannot run a local SLURM (no root, no apt-get, install failed, ports taken)."""
+    """This machine cannot run a local SLURM (no root, no apt-get, the install failed)."""
 
 
 @dataclass
@@ -84,6 +86,20 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports that are free now (held open together so that they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("0.0.0.0", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _alive(pid: int) -> bool:
     """The process exists and is not a zombie (daemons whose parent never reaps them linger as zombies)."""
     try:
@@ -115,9 +131,16 @@ def _parse_scontrol(text: str) -> dict[str, str]:
 def stop_stale_clusters() -> None:
     """Stop the daemons of earlier LocalSlurm runs that never reached stop() (a killed test session).
 
-    Only clusters of this module are touched: those whose pid files live in a `t5ds-slurm-*` temp dir.
+    Only clusters of this module are touched (pid files in a `t5ds-slurm-*` temp dir), and only when the
+    process that started them is gone: a cluster of a test session still running is left alone.
     """
     for root in Path(tempfile.gettempdir()).glob("t5ds-slurm-*"):
+        try:
+            owner = int((root / "owner.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue  # no owner recorded (being created right now, or not ours)
+        if _alive(owner):
+            continue
         pids = []
         for pid_file in (root / "run").glob("*.pid"):
             try:
@@ -136,21 +159,16 @@ class LocalSlurm:
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.node = socket.gethostname().split(".")[0]
+        self.ports = self._read_ports()  # (slurmctld, slurmd), from slurm.conf once written
 
     # --- lifecycle ------------------------------------------------------------------------------
     @classmethod
     def start(cls, startup_timeout_s: float = 60) -> LocalSlurm:
         install()
-        if any(_port_in_use(p) for p in PORTS):
-            stop_stale_clusters()
-        busy = [p for p in PORTS if _port_in_use(p)]
-        if busy:
-            raise SlurmUnavailable(
-                f"ports {busy} are in use (a leftover slurmctld/slurmd?): stop it with "
-                "`scontrol shutdown` (SLURM_CONF pointing at its config) or kill its pid"
-            )
+        stop_stale_clusters()
         root = Path(tempfile.mkdtemp(prefix="t5ds-slurm-"))
         root.chmod(0o755)  # munged refuses a socket dir that others cannot traverse
+        (root / "owner.pid").write_text(str(os.getpid()))
         cluster = cls(root)
         try:
             cluster._write_config()
@@ -160,8 +178,17 @@ class LocalSlurm:
             raise
         return cluster
 
+    def _read_ports(self) -> tuple[int, ...]:
+        if not self.conf.exists():
+            return ()
+        text = self.conf.read_text()
+        return tuple(
+            int(re.search(rf"^{k}=(\d+)", text, re.M).group(1)) for k in ("SlurmctldPort", "SlurmdPort")
+        )
+
     def _write_config(self) -> None:
         r = self.root
+        self.ports = tuple(_free_ports(2))
         for sub in ("state", "spool", "log", "run", "munge"):
             (r / sub).mkdir(mode=0o755)
         key = r / "munge" / "munge.key"
@@ -170,9 +197,15 @@ class LocalSlurm:
         # The node line as slurmd measures it; without it RealMemory is 1 MB and any --mem fails.
         node_line = _run(["slurmd", "-C"], self.env).stdout.splitlines()[0]
         node_line = re.sub(r"^NodeName=\S+", f"NodeName={self.node}", node_line)
+        # Job ids from a random start: the job scripts derive MASTER_PORT from the job id, and two test
+        # sessions' clusters on one machine must not hand the same port to their first jobs.
+        first_job_id = random.randrange(1000, 14000, 100)
         self.conf.write_text(f"""\
 ClusterName=t5ds-test
 SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldPort={self.ports[0]}
+SlurmdPort={self.ports[1]}
+FirstJobId={first_job_id}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -231,7 +264,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if self.conf.exists():
             _run(["scontrol", "shutdown"], self.env, check=False, timeout=30)
             deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and any(_port_in_use(p) for p in PORTS):
+            while time.monotonic() < deadline and any(_port_in_use(p) for p in self.ports):
                 time.sleep(0.2)
         # Whatever is still up (shutdown failed, or munged, which scontrol does not stop): by pid file.
         pids = []

@@ -39,13 +39,21 @@ def test_shipped_configs_exist():
         assert required in names
 
 
+def config_class(path: Path) -> type:
+    """Fine-tuning configs (training/finetune.py) are named sni*.yaml; the rest are pre-training."""
+    from training.finetune_config import FinetuneConfig
+
+    return FinetuneConfig if path.name.startswith("sni") else RunConfig
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_round_trips(path, tmp_path):
-    cfg = load_run_config(str(path), [])
-    assert isinstance(cfg, RunConfig)
+    root = config_class(path)
+    cfg = load_run_config(str(path), [], root=root)
+    assert isinstance(cfg, root)
     out = tmp_path / "config.yaml"
     dump_yaml(cfg, out)
-    assert load_run_config(str(out), []) == cfg
+    assert load_run_config(str(out), [], root=root) == cfg
     assert cfg.output_dir.startswith("runs/")
 
 

@@ -142,6 +142,19 @@ def test_resume_after_kill_matches_uninterrupted_run(
     assert again.returncode == 0 and "already complete" in again.stderr
 
 
+def child_pids(pid: int) -> list[str]:
+    """Pids whose parent is `pid` (from /proc, so no procps needed)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == str(pid):
+            children.append(stat.parent.name)
+    return children
+
+
 def test_sigkill_mid_run_then_resume(tmp_path: Path, c4_train_path: Path, repo_root):
     """A real SIGKILL of the main process: its workers exit, and a rerun completes byte-identically."""
     inputs = tmp_path / "in"
@@ -161,7 +174,8 @@ def test_sigkill_mid_run_then_resume(tmp_path: Path, c4_train_path: Path, repo_r
         except (FileNotFoundError, json.JSONDecodeError, KeyError):
             pass
         time.sleep(0.02)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = child_pids(proc.pid)
+    assert len(workers) >= 2, "the two encoder processes (spawned) should be running"
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     assert not (out / "manifest.json").exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_config import config_class
 from training.config import ConfigError, load_run_config, micro_batch_size
 from training.ds_config import (
     DSConfigError,
@@ -48,7 +49,7 @@ def test_shipped_ds_configs():
 @pytest.mark.parametrize("ds_path", DS_CONFIGS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("run_path", RUN_CONFIGS, ids=lambda p: p.stem)
 def test_every_shipped_pair_resolves(ds_path, run_path):
-    cfg = load_run_config(str(run_path), [])
+    cfg = load_run_config(str(run_path), [], root=config_class(run_path))
     resolved_any = False
     for world_size in (1, 2, 4):
         if cfg.optim.batch_size % (cfg.optim.grad_acc * world_size):
@@ -177,5 +178,5 @@ def test_find_ds_config_relative_to_repo(tmp_path, monkeypatch):
 
 def test_run_configs_name_shipped_ds_configs():
     for run_path in RUN_CONFIGS:
-        cfg = load_run_config(str(run_path), [])
+        cfg = load_run_config(str(run_path), [], root=config_class(run_path))
         assert find_ds_config(cfg.ds_config).is_file()

@@ -86,11 +86,19 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     target_length = train_batches.target_length
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
+    if cfg.model.compile and device.type == "cuda" and ds_config.get("zero_optimization", {}).get("stage", 0) < 3:
+        # Compile the forward only, as one graph (fullgraph: a graph break is an error, not a slowdown);
+        # DeepSpeed's module hooks stay outside it. Parameter names are unchanged.
+        model.forward = torch.compile(model.forward, fullgraph=True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
     bind_zero_layout(engine, optimizer)
-    if cfg.model.compile and device.type == "cuda":
-        engine.compile()
+    if world_size == 1 and engine.zero_optimization_stage() == 0:
+        # One rank has nothing to reduce; DeepSpeed would still flatten, "all-reduce" and copy back
+        # every gradient each step.
+        engine.enable_backward_allreduce = False
+    if cfg.model.compile and device.type == "cuda" and engine.zero_optimization_stage() == 3:
+        engine.compile()  # ZeRO 3 gathers parameters in module hooks: DeepSpeed's own compile path
 
     # --- resume -----------------------------------------------------------------------------
     ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
