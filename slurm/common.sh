@@ -135,7 +135,6 @@ t5ds_train() {
   t5ds_log "$ntasks tasks (${SLURM_NTASKS_PER_NODE:-?} per node), rendezvous $MASTER_ADDR:$MASTER_PORT, DS_ACCELERATOR=${DS_ACCELERATOR:-auto}"
   t5ds_log "trainer: $(t5ds_quote "${cmd[@]}")"
   t5ds_print_paths
-  mkdir -p "$T5DS_RUN_DIR"
 
   # Each task maps SLURM's per-task ids onto the variables torch.distributed / DeepSpeed read. The
   # inner shell execs the trainer, so signals sent to the task reach Python directly.
@@ -154,6 +153,7 @@ t5ds_train() {
     exit 0
   fi
 
+  mkdir -p "$T5DS_RUN_DIR"
   "${srun_cmd[@]}" &
   T5DS_SRUN_PID=$!
   # `wait` returns early whenever a trapped signal arrives; keep waiting until srun itself has ended,

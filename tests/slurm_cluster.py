@@ -317,14 +317,23 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return bool(_run(["squeue", "-h", "-j", job_id], self.env, check=False).stdout.strip())
 
     def wait(
-        self, job_id: str, timeout_s: float = 300, poll_s: float = 0.5, release_held: bool = True
+        self,
+        job_id: str,
+        timeout_s: float = 300,
+        poll_s: float = 0.5,
+        release_held: bool = True,
+        release_after_s: float = 2.0,
     ) -> JobResult:
         """Poll squeue every `poll_s` until the job left the queue, then read its final state.
 
         `release_held`: a requeued job waits ~120 s for its EligibleTime; move its start to now (what
-        a cluster's scheduler would do when the node is free) so that tests do not idle.
+        a cluster's scheduler would do when the node is free) so that tests do not idle. Not at once:
+        slurmd refuses to launch a job whose new credential dates from the same second as the kill of
+        its previous run ("Job credential revoked", the job then FAILS with exit code 1), which is what
+        the hold protects against; `release_after_s` of pending is enough.
         """
         deadline = time.monotonic() + timeout_s
+        held_since = None
         while self.is_queued(job_id):
             if time.monotonic() > deadline:
                 fields = self.show_job(job_id)
@@ -336,7 +345,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             if release_held:
                 fields = self.show_job(job_id)
                 if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
-                    self.scontrol("update", f"JobId={job_id}", "StartTime=now", check=False)
+                    held_since = held_since or time.monotonic()
+                    if time.monotonic() - held_since >= release_after_s:
+                        self.scontrol("update", f"JobId={job_id}", "StartTime=now", check=False)
+                else:
+                    held_since = None
             time.sleep(poll_s)
         return self.result(job_id)
 

@@ -76,3 +76,16 @@ def test_finetune_refuses_zero3_and_bad_init(tmp_path):
                            f"output_dir={tmp_path / 'x'}", "init=/no/such/model"], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "neither `random` nor an existing" in proc.stderr
+
+
+def test_evaluate_sni_cli_on_our_run_directory(random_init_run, tmp_path):
+    """`python -m training.evaluate_sni CHECKPOINT` accepts one of our run directories."""
+    out = tmp_path / "eval"
+    subprocess.run([sys.executable, "-m", "training.evaluate_sni", str(random_init_run), "--data",
+                    "tests/assets/sni", "--out", str(out), "--max-new-tokens", "16", "--batch-size", "8"],
+                   cwd=REPO, env=_env(), check=True, capture_output=True, timeout=600)
+    metrics = json.loads((out / "metrics.json").read_text())
+    # the same weights and decoding as the fine-tuning run's own final evaluation
+    final = json.loads((random_init_run / "sni_eval" / "step_00000024" / "metrics.json").read_text())
+    assert metrics["n_instances"] == final["n_instances"]
+    assert metrics["rougeL"] == pytest.approx(final["rougeL"], abs=1e-6)

@@ -104,9 +104,9 @@ def shards(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference_run(shards, tmp_path_factory) -> Path:
-    """10 uninterrupted steps on one rank (ZeRO 0), checkpoints at 5 and 10."""
+    """10 uninterrupted steps on one rank (ZeRO 0), checkpoints at 5 and 10, W&B offline."""
     out = tmp_path_factory.mktemp("runs") / "reference"
-    train(out, shards)
+    train(out, shards, "logging.wandb=offline")
     return out
 
 
@@ -121,6 +121,22 @@ def test_reference_run_logs_and_learns(reference_run):
     assert evals and evals[-1]["step"] == STEPS and 0 <= evals[-1]["eval_accuracy"] <= 1
     assert (reference_run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
     assert (reference_run / "config.yaml").is_file() and (reference_run / "model_config.json").is_file()
+    # W&B ran offline (no account, no network) and wrote its run files into the run directory
+    assert list((reference_run / "wandb").glob("offline-run-*"))
+
+
+def test_time_budget_stops_evaluates_checkpoints_and_fits_the_schedule(shards, tmp_path):
+    run = tmp_path / "budget"
+    train(run, shards, "budget.hours=0.003", "optim.total_steps=100000", "eval.every_steps=0",
+          "checkpoint.every_steps=0")
+    records = read_metrics(run / "metrics.jsonl", "train")
+    last = records[-1]["step"]
+    assert 5 < last < 100000
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
+    assert read_metrics(run / "metrics.jsonl", "eval")[-1]["step"] == last
+    # the cosine ran over the fitted horizon, not over 100000 steps: the lr is well into its decay
+    peak = max(r["lr"] for r in records)
+    assert records[-1]["lr"] < 0.5 * peak
 
 
 def test_resume_continues_exactly(reference_run, shards, tmp_path):

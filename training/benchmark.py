@@ -24,21 +24,7 @@ import time
 import torch
 
 from training.model import T5Config, T5ForConditionalGeneration
-from training.model.flops import model_flops_per_step
-
-
-def matmul_ceiling_tflops(device: torch.device, n: int = 8192, iters: int = 20) -> float:
-    """Achieved bf16 TFLOP/s of an n^3 matmul: the practical ceiling MFU is reported against."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+from training.model.flops import measure_matmul_tflops, model_flops_per_step
 
 
 def build_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
@@ -271,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 
-    ceiling = matmul_ceiling_tflops(device)
+    ceiling = measure_matmul_tflops(device)
     print(
         f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 8192^3 matmul {ceiling:.0f} TFLOP/s"
     )

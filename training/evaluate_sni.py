@@ -40,13 +40,19 @@ def load_model_for_eval(
 ):
     """Our T5ForConditionalGeneration in eval mode on `device`, from
     - an HF directory with config.json (weights: safetensors or bin, sharded or not), or
-    - a plain state-dict file, or a directory holding one without config.json, plus `preset`.
-    Other checkpoint forms (e.g. a DeepSpeed run directory) are added here as further branches."""
+    - a plain state-dict file, or a directory holding one without config.json, plus `preset`, or
+    - one of our run directories (training/pretrain.py, training/finetune.py): its newest complete
+      checkpoint."""
     from training.model.hf_compat import load_pretrained
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if (path / "model_config.json").is_file():  # one of our runs (pre-training or fine-tuning)
+        from training.export import load_run_model
+
+        model, _ = load_run_model(path)
+        return model.to(device=device, dtype=dtype).eval()
     if path.is_dir() and not (path / "config.json").exists() and preset is None:
         raise ValueError(
             f"{path} has no config.json: pass --preset (e.g. base) for a plain state dict, or point to "

@@ -17,7 +17,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import argparse
 import contextlib
 import json
 import logging
@@ -26,21 +25,18 @@ import time
 import torch
 
 from training.budget import Horizon
-from training.distributed import DistInfo, all_reduce_sum, init_distributed
-from training.metrics import MetricsLogger, setup_logging, train_line
-from training.run_setup import build_model, build_optimizer_and_schedule, capture_rng_state, restore_rng_state
+from training.distributed import DistInfo, all_reduce_sum
+from training.metrics import MetricsLogger, train_line
+from training.run_setup import (
+    build_model,
+    build_optimizer_and_schedule,
+    capture_rng_state,
+    launch,
+    restore_rng_state,
+)
 from training.stop_signals import EXIT_REQUEUE, StopRequest
 
 logger = logging.getLogger("t5ds.finetune")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="training/configs/sni.yaml", help="fine-tuning config (YAML)")
-    parser.add_argument("--deepspeed_config", default=None, help="DeepSpeed config (default: the config's ds_config)")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    parser.add_argument("overrides", nargs="*", help="overrides, e.g. init=runs/base optim.base_lr=1e-4")
-    return parser.parse_args(argv)
 
 
 def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
@@ -61,6 +57,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     from training.sni.evaluate import build_eval_set, evaluate_sni
     from training.sni.tasks import load_sni
 
+    # Installed first: a preemption signal during start-up is then honoured at the first step.
+    stop = StopRequest()
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
     out_dir = Path(cfg.output_dir)
     if rank == 0:
@@ -142,7 +140,6 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             epoch, start = epoch + 1, 0
 
     # --- the loop -------------------------------------------------------------------------------
-    stop = StopRequest()
     exit_code = 0
     stream = batches_from(step)
     window_loss = torch.zeros((), device=device)
@@ -194,18 +191,9 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.config import load_run_config
     from training.finetune_config import FinetuneConfig
 
-    args = parse_args(argv)
-    cfg = load_run_config(args.config, args.overrides, root=FinetuneConfig)
-    dist_info = init_distributed(cfg.device)
-    setup_logging(dist_info.rank)
-    try:
-        return finetune(cfg, args.deepspeed_config, dist_info)
-    except Exception:
-        logger.exception("fine-tuning failed on rank %d", dist_info.rank)
-        raise
+    return launch(finetune, argv, doc=__doc__, default_config="training/configs/sni.yaml", root=FinetuneConfig)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (`deepspeed training/pretrain.py`): import the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import argparse
 import json
 import logging
 import time
@@ -25,12 +24,13 @@ import time
 import torch
 
 from training.budget import Horizon, TimeBudget
-from training.distributed import DistInfo, all_reduce_sum, init_distributed
-from training.metrics import MetricsLogger, setup_logging, train_line
+from training.distributed import DistInfo, all_reduce_sum
+from training.metrics import MetricsLogger, train_line
 from training.run_setup import (
     build_model,
     build_optimizer_and_schedule,
     capture_rng_state,
+    launch,
     matmul_peak_tflops,
     replicated_grad_l2,
     restore_rng_state,
@@ -39,17 +39,6 @@ from training.run_setup import (
 from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE, StopRequest
 
 logger = logging.getLogger("t5ds.pretrain")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="training/configs/t5_base_c4.yaml", help="run config (YAML)")
-    parser.add_argument("--deepspeed_config", default=None,
-                        help="DeepSpeed config; switch ZeRO stage by switching this file "
-                             "(default: the run config's ds_config, ds_configs/zero0.json unless set)")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. optim.base_lr=1e-2")
-    return parser.parse_args(argv)
 
 
 def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
@@ -65,6 +54,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     from training.model.flops import model_flops_per_step
     from training.optim import bind_zero_layout, weight_l2_norm
 
+    # Installed first: a preemption signal during start-up is then honoured at the first step.
+    stop = StopRequest()
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
     out_dir = Path(cfg.output_dir)
     if rank == 0:
@@ -82,6 +73,9 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         noise_density=cfg.data.noise_density, mean_noise_span_length=cfg.data.mean_noise_span_length,
         expected_tokenizer_sha256=tokenizer_sha, vocab_size=model_cfg.vocab_size,
         num_workers=cfg.data.num_workers,
+        # Pinned host memory makes the copy to the GPU asynchronous; a pageable copy would block
+        # the host until the GPU has finished the previous step, so no kernels could be queued ahead.
+        pin_memory=device.type == "cuda",
     )
     target_length = train_batches.target_length
     horizon = Horizon(total_steps=cfg.optim.total_steps)
@@ -148,7 +142,6 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     tokens_per_step = cfg.optim.batch_size * (cfg.data.input_length + target_length)
     flops_per_step = model_flops_per_step(model_cfg, cfg.optim.batch_size, cfg.data.input_length, target_length)
     peak_tflops = matmul_peak_tflops(device)  # None on CPU: MFU is reported on GPUs only
-    stop = StopRequest()
     exit_code = 0
     skipped_steps = rank_state.get("skipped_steps", 0) if resume_from is not None else 0
     consecutive_skips, last_skip_calls = 0, optimizer.skipped_steps + engine.skipped_steps
@@ -241,18 +234,9 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.config import load_run_config
+    from training.config import RunConfig
 
-    args = parse_args(argv)
-    cfg = load_run_config(args.config, args.overrides)
-    dist_info = init_distributed(cfg.device)
-    setup_logging(dist_info.rank)
-    try:
-        return train(cfg, args.deepspeed_config, dist_info)
-    except Exception:
-        # The launcher (deepspeed, torchrun, srun) ends the other ranks when one exits non-zero.
-        logger.exception("training failed on rank %d", dist_info.rank)
-        raise
+    return launch(train, argv, doc=__doc__, default_config="training/configs/t5_base_c4.yaml", root=RunConfig)
 
 
 if __name__ == "__main__":

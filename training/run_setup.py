@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -112,22 +111,42 @@ def restore_rng_state(state: dict | None, *, same_world: bool) -> None:
         logger.info("world size changed since the checkpoint: RNG streams taken from the saved ranks")
 
 
-def matmul_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> float | None:
-    """Measured bf16 dense matmul throughput of this GPU (TFLOP/s), the ceiling MFU is quoted against.
-
-    None on CPU. Takes well under a second on an H100.
-    """
+def matmul_peak_tflops(device: torch.device) -> float | None:
+    """Measured bf16 matmul ceiling of this GPU (TFLOP/s) for MFU; None on CPU."""
     if device.type != "cuda":
         return None
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    torch.cuda.synchronize(device)
-    seconds = (time.perf_counter() - start) / repeats
-    del a, b
-    return 2 * n**3 / seconds / 1e12
+    from training.model.flops import measure_matmul_tflops
+
+    return measure_matmul_tflops(device, iters=10)
+
+
+def launch(entry, argv: list[str] | None, *, doc: str, default_config: str, root: type) -> int:
+    """Shared command line of the training entry points (pretrain, finetune).
+
+    `--config` YAML, `--deepspeed_config` (default: the config's ds_config), `--local_rank` (set by
+    the deepspeed launcher), then `key=value` overrides. Initialises the process group and the
+    logger, then returns `entry(cfg, ds_config_path, dist_info)`, the process exit code.
+    """
+    import argparse
+
+    from training.config import load_run_config
+    from training.distributed import init_distributed
+    from training.metrics import setup_logging
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=default_config, help="run config (YAML)")
+    parser.add_argument("--deepspeed_config", default=None,
+                        help="DeepSpeed config; switch ZeRO stage by switching this file "
+                             "(default: the run config's ds_config)")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. optim.base_lr=1e-2")
+    args = parser.parse_args(argv)
+    cfg = load_run_config(args.config, args.overrides, root=root)
+    dist_info = init_distributed(cfg.device)
+    setup_logging(dist_info.rank)
+    try:
+        return entry(cfg, args.deepspeed_config, dist_info)
+    except Exception:
+        # The launcher (deepspeed, torchrun, srun) ends the other ranks when one exits non-zero.
+        logger.exception("%s failed on rank %d", entry.__name__, dist_info.rank)
+        raise

@@ -36,3 +36,22 @@ def forward_flops(config: T5Config, batch_size: int, input_length: int, target_l
 def model_flops_per_step(config: T5Config, batch_size: int, input_length: int, target_length: int) -> float:
     """Forward + backward FLOPs of one training step (3x the forward)."""
     return 3.0 * forward_flops(config, batch_size, input_length, target_length)
+
+
+def measure_matmul_tflops(device, n: int = 8192, iters: int = 20) -> float:
+    """Achieved bf16 TFLOP/s of an n^3 matmul on a CUDA device: the practical ceiling MFU is quoted
+    against (well under a second on an H100)."""
+    import time
+
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
