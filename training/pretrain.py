@@ -34,7 +34,7 @@ from training.run_setup import (
     matmul_peak_tflops,
     replicated_grad_l2,
     restore_rng_state,
-    sha256_of,
+    tokenizer_hash,
 )
 from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE, StopRequest
 
@@ -46,7 +46,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     import deepspeed
 
     from training.checkpoint import CheckpointManager
-    from training.config import dump_yaml, micro_batch_size
+    from training.config import dump_yaml, eval_batch_size_per_rank, micro_batch_size
     from training.data import PretrainBatches, validation_batches
     from training.ds_config import resolve_ds_config
     from training.evaluation import evaluate_span_corruption
@@ -66,7 +66,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
     micro_bs = micro_batch_size(cfg, world_size)
-    tokenizer_sha = sha256_of(cfg.data.tokenizer)
+    tokenizer_sha = tokenizer_hash(cfg.data.tokenizer)
     train_batches = PretrainBatches(
         cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_bs,
         grad_acc=cfg.optim.grad_acc, seed=cfg.seed, input_length=cfg.data.input_length,
@@ -105,6 +105,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         elapsed_before = rank_state.get("elapsed_s", 0.0)
         horizon.total_steps = rank_state.get("horizon_steps", horizon.total_steps)
         logger.info("resumed from %s at step %d", resume_from, step)
+    start_step = step
     budget = TimeBudget(cfg.budget.hours, elapsed_before_s=elapsed_before)
 
     metrics = MetricsLogger(out_dir, rank=rank, wandb_mode=cfg.logging.wandb,
@@ -118,7 +119,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
                           "parameters": sum(p.numel() for p in model.parameters())})
 
     val_batches = list(validation_batches(
-        cfg.data.dir, rank=rank, world_size=world_size, batch_size=max(1, cfg.eval.batch_size // world_size),
+        cfg.data.dir, rank=rank, world_size=world_size, batch_size=eval_batch_size_per_rank(cfg, world_size),
         max_samples=cfg.eval.max_samples or None, seed=cfg.seed, input_length=cfg.data.input_length,
         noise_density=cfg.data.noise_density, mean_noise_span_length=cfg.data.mean_noise_span_length,
         expected_tokenizer_sha256=tokenizer_sha, vocab_size=model_cfg.vocab_size,
@@ -223,7 +224,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
     if exit_code == 0:
         result = run_eval()
-        save_checkpoint()
+        if step != start_step or resume_from is None:  # a finished run restarted has nothing new to save
+            save_checkpoint()
         if rank == 0:
             print(f"held-out loss {result['eval_loss']:.4f} (token accuracy {result['eval_accuracy']:.4f}, "
                   f"{result['eval_tokens']} target tokens) after {step} steps; run directory {out_dir}", flush=True)

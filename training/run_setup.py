@@ -5,7 +5,6 @@ and the GPU's measured matmul ceiling (for MFU).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from pathlib import Path
@@ -18,16 +17,14 @@ from training.budget import Horizon
 logger = logging.getLogger(__name__)
 
 
-def sha256_of(path: str | Path) -> str:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer {path} not found: set data.tokenizer to the SentencePiece model "
-                                "the shards were made with (assets/t5/spiece.model for T5)")
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+def tokenizer_hash(path: str | Path) -> str:
+    """The tokenizer hash data_prep recorded in the manifest (a .model file or an HF directory)."""
+    from data_prep.tokenizer import tokenizer_sha256
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"tokenizer {path} not found: set data.tokenizer to the tokenizer the shards were "
+                                "made with (assets/t5/spiece.model for T5)")
+    return tokenizer_sha256(path)
 
 
 def build_model(model_section, device: torch.device, init: str | None = None):
