@@ -23,7 +23,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from data_prep.shard import ShardConfig, _encode_chunk, _init_worker, run_sharding
+from data_prep.chunk_encoding import encode_chunk, init_worker
+from data_prep.shard import ShardConfig, run_sharding
 from data_prep.sources import payload_to_text, resolve_source
 from data_prep.tokenizer import DEFAULT_SPIECE, load_tokenizer
 
@@ -62,10 +63,10 @@ def pool_startup(workers: int, tokenizer: str) -> float:
     with ProcessPoolExecutor(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
+        initializer=init_worker,
         initargs=(tokenizer, "text", "<u2", os.getpid()),
     ) as pool:
-        list(pool.map(_encode_chunk, ["json"] * workers, [[b'{"text": "warm up"}']] * workers))
+        list(pool.map(encode_chunk, ["json"] * workers, [[b'{"text": "warm up"}']] * workers))
     return time.perf_counter() - t0
 
 

@@ -20,15 +20,12 @@ only when every split is done, so a loader never sees a half-written dataset.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
 import sys
-import threading
 import time
-from collections import Counter, deque
-from collections.abc import Iterator
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -37,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep import __version__
+from data_prep.chunk_encoding import init_worker, iter_chunks, ordered_results
 from data_prep.progress import (
     STATE_NAME,
     ProgressWriter,
@@ -59,14 +57,11 @@ from data_prep.shard_format import (
     write_shard_atomic,
 )
 from data_prep.sources import (
-    EMPTY_AFTER_TOKENIZATION,
     SOURCE_KINDS,
     TXT_MODES,
     FileSource,
-    Record,
     Source,
     SourceError,
-    payload_to_text,
     resolve_source,
     split_c4_layout,
 )
@@ -77,8 +72,7 @@ logger = logging.getLogger(__name__)
 # Test hook: exit abruptly (no cleanup, like SIGKILL) right after shard number K (0-based) is renamed
 # into place and before progress.json records it.
 KILL_AFTER_SHARD_ENV = "T5DS_DATA_PREP_KILL_AFTER_SHARD"
-_CHUNK_BYTES = 1 << 20  # a chunk (one pool task) holds at most ~1 MiB of text ...
-_WINDOW_PER_WORKER = 4  # ... and at most this many chunks per worker are in flight
+_WINDOW_PER_WORKER = 4  # at most this many chunks (pool tasks) per worker are in flight
 
 
 class DataError(RuntimeError):
@@ -183,99 +177,7 @@ def resolve_split_sources(cfg: ShardConfig) -> dict[str, Source | None]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Worker side: payloads -> EOS-terminated token ids
-
-_WORKER: dict = {}
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Workers exit when the main process dies (killed runs must not leave encoders behind)."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
-def _init_worker(tokenizer_path: str, text_field: str, dtype: str, parent_pid: int | None = None) -> None:
-    if parent_pid is not None:
-        threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
-    _WORKER["text_field"] = text_field
-    _WORKER["dtype"] = np.dtype(dtype)
-
-
-def _encode_chunk(fmt: str, payloads: list) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[str, str]]]:
-    """Encode one chunk: (tokens of kept documents each + EOS, per-payload length or -1, skips by index)."""
-    tokenizer, text_field = _WORKER["tokenizer"], _WORKER["text_field"]
-    texts, kept, skips = [], [], {}
-    for i, payload in enumerate(payloads):
-        text, reason, detail = payload_to_text(fmt, payload, text_field)
-        if text is None:
-            skips[i] = (reason, detail)
-        else:
-            texts.append(text)
-            kept.append(i)
-    ids = tokenizer.encode_batch(texts)
-    lengths = np.full(len(payloads), -1, dtype=np.int64)
-    eos = tokenizer.info.eos_id
-    total = 0
-    for i, doc in zip(kept, ids):
-        if not doc:
-            skips[i] = (EMPTY_AFTER_TOKENIZATION, "document encodes to no tokens")
-            continue
-        doc.append(eos)
-        lengths[i] = len(doc)
-        total += len(doc)
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=_WORKER["dtype"], count=total)
-    return flat, lengths, skips
-
-
-# ----------------------------------------------------------------------------------------------
 # Main side: read -> chunks -> ordered results -> rows -> shards
-
-
-@dataclass
-class _Chunk:
-    unit: int
-    label: str
-    fmt: str
-    records: list[Record]
-    payloads: list  # payloads of the records without a read error, in order
-
-
-def _iter_chunks(source: Source, position: tuple[int, int], chunk_docs: int) -> Iterator[_Chunk]:
-    unit0, record0 = position
-    for unit in range(unit0, source.num_units):
-        label, fmt = source.unit_label(unit), source.unit_format(unit)
-        chunk = _Chunk(unit, label, fmt, [], [])
-        nbytes = 0
-        for record in source.iter_unit(unit, record0 if unit == unit0 else 0):
-            chunk.records.append(record)
-            if record.error is None:
-                chunk.payloads.append(record.payload)
-                nbytes += len(record.payload) if isinstance(record.payload, bytes | str) else 0
-            if len(chunk.records) >= chunk_docs or nbytes >= _CHUNK_BYTES:
-                yield chunk
-                chunk, nbytes = _Chunk(unit, label, fmt, [], []), 0
-        if chunk.records:
-            yield chunk
-
-
-def _ordered_results(chunks: Iterator[_Chunk], executor: ProcessPoolExecutor | None, window: int):
-    """(chunk, encoded) in input order; at most `window` chunks in flight (bounded memory)."""
-    if executor is None:
-        for chunk in chunks:
-            yield chunk, _encode_chunk(chunk.fmt, chunk.payloads)
-        return
-    pending: deque = deque()
-    for chunk in chunks:
-        pending.append((chunk, executor.submit(_encode_chunk, chunk.fmt, chunk.payloads)))
-        if len(pending) >= window:
-            done, future = pending.popleft()
-            yield done, future.result()
-    while pending:
-        done, future = pending.popleft()
-        yield done, future.result()
 
 
 class _Packer:
@@ -378,8 +280,8 @@ def _run_split(
     t0, tokens_done = time.perf_counter(), 0
     window = max(1, cfg.workers) * _WINDOW_PER_WORKER
     try:
-        for chunk, (tokens, lengths, chunk_skips) in _ordered_results(
-            _iter_chunks(source, position, cfg.chunk_docs), executor, window
+        for chunk, (tokens, lengths, chunk_skips) in ordered_results(
+            iter_chunks(source, position, cfg.chunk_docs), executor, window
         ):
             offset, j = 0, 0
             for record in chunk.records:
@@ -504,11 +406,11 @@ def run_sharding(cfg: ShardConfig) -> dict:
         executor = ProcessPoolExecutor(
             cfg.workers,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
+            initializer=init_worker,
             initargs=(cfg.tokenizer, cfg.text_field, dtype.str, os.getpid()),
         )
     else:
-        _init_worker(cfg.tokenizer, cfg.text_field, dtype.str)
+        init_worker(cfg.tokenizer, cfg.text_field, dtype.str)
     try:
         for split, split_state in state["splits"].items():
             if not split_state["done"]:

@@ -206,12 +206,12 @@ def test_resume_tokenizes_only_the_rest(tmp_path: Path, c4_glob: str, c4_sharded
     # Rewind the train split to after its 3rd shard as progress.json would record it mid-run.
     train = state["splits"]["train"]
     uninterrupted = load_manifest(c4_sharded)
-    import data_prep.shard as shard_mod
+    import data_prep.chunk_encoding as encoding_mod
 
     encoded = []
-    original = shard_mod._encode_chunk
+    original = encoding_mod.encode_chunk
     monkeypatch.setattr(
-        shard_mod, "_encode_chunk", lambda fmt, p: (encoded.append(len(p)), original(fmt, p))[1]
+        encoding_mod, "encode_chunk", lambda fmt, p: (encoded.append(len(p)), original(fmt, p))[1]
     )
     tok = load_tokenizer()
     texts = c4_texts(Path(c4_glob).parent / "c4-train.00000-of-01024.json.gz")
