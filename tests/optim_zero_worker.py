@@ -242,6 +242,9 @@ def main() -> None:
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    from training.distributed import disable_deepspeed_shm_comm
+
+    disable_deepspeed_shm_comm()
     deepspeed.init_distributed(dist_backend="gloo")
     table = {  # name: (stage, bf16, bind)
         "zero0": (0, False, True),

@@ -247,3 +247,21 @@ def test_plot_metrics_writes_an_image(reference_run, tmp_path):
     assert main([str(reference_run), "--out", str(image)]) == 0
     assert image.stat().st_size > 1000
     assert json.loads((reference_run / "model_config.json").read_text())["d_model"] > 0
+
+
+@pytest.mark.parametrize("ds_config", ["ds_configs/zero1.json", "ds_configs/zero3.json"])
+def test_zero2_checkpoint_resumes_on_another_stage_and_world_size(shards, tmp_path, ds_config):
+    """ZeRO 2 on 2 ranks, converted to DeepSpeed's universal format, resumes on 1 rank with another
+    stage (weights and adamwscale's moments restored): the loss continues where it stopped."""
+    from training.checkpoint_universal import convert_to_universal
+
+    source = tmp_path / "zero2_two_ranks"
+    train(source, shards, nproc=2, ds_config="ds_configs/zero2.json")
+    new_run = tmp_path / "resumed"
+    convert_to_universal(source, new_run, source / "checkpoints" / "step_00000005")
+    train(new_run, shards, nproc=1, ds_config=ds_config)
+    ref, got = losses(source), losses(new_run)
+    assert sorted(got) == list(range(6, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step
+    assert_weights_close(final_weights(new_run), final_weights(source), rtol=1e-4)

@@ -149,7 +149,10 @@ class CheckpointManager:
         self.barrier()
 
         # DeepSpeed puts its files in save_dir/tag = tmp; all ranks must call it (ZeRO shards, barriers).
-        engine.save_checkpoint(str(self.root), tag=tmp_name, save_latest=False)
+        # An (empty) universal_checkpoint_info lets DeepSpeed's ds_to_universal convert the checkpoint
+        # for another ZeRO stage or world size (training/checkpoint_universal.py).
+        engine.save_checkpoint(str(self.root), tag=tmp_name, save_latest=False,
+                               client_state={"universal_checkpoint_info": {}})
         tmp.mkdir(parents=True, exist_ok=True)
         rank_file = tmp / rank_state_name(self.rank)
         torch.save(rank_state, rank_file)
@@ -329,12 +332,12 @@ class CheckpointManager:
             raise RuntimeError(f"cannot load checkpoint {path}: {'; '.join(found)}")
         meta = self.read_meta(path)
         saved_world, saved_stage = int(meta["world_size"]), int(meta.get("zero_stage", 0))
-        if saved_world != self.world_size and saved_stage >= 1:
+        if saved_world != self.world_size and saved_stage >= 1 and not meta.get("universal"):
             raise RuntimeError(
                 f"checkpoint {path} was written by {saved_world} ranks with ZeRO stage {saved_stage}, and "
                 f"this run has {self.world_size}: DeepSpeed cannot re-partition ZeRO optimizer state "
-                "directly. Resume with the same number of ranks, or convert it with DeepSpeed's "
-                "ds_to_universal.py and load it as a universal checkpoint (docs/configuration.md)"
+                "directly. Resume with the same number of ranks, or convert it first: "
+                "python -m training.checkpoint_universal RUN_DIR NEW_RUN_DIR (docs/configuration.md)"
             )
 
         load_path, _ = engine.load_checkpoint(

@@ -60,6 +60,19 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def disable_deepspeed_shm_comm() -> None:
+    """Keep DeepSpeed from JIT-building and starting its shared-memory CPU all-reduce.
+
+    DeepSpeed builds it (a C++ extension: ~40-60 s on a fresh machine) whenever a process group
+    starts on the CPU accelerator, but uses it only for inference all-reduce, which training never
+    calls. Its /dev/shm segments are named by address and port and outlive the processes, so a later
+    job on a reused port can attach to a stale one. Call before deepspeed.init_distributed.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_distributed(requested_device: str = "auto") -> DistInfo:
     """Initialise torch.distributed through DeepSpeed (always, also for one process).
 
@@ -83,6 +96,8 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     device = resolve_device(requested_device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        if backend == "gloo":
+            disable_deepspeed_shm_comm()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     global _control_group
     if dist.get_world_size() > 1 and _control_group is None:

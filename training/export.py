@@ -48,10 +48,12 @@ def checkpoint_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     computes in bf16 through autocast); ZeRO 3 stores only partitions, which DeepSpeed's
     zero_to_fp32 reassembles.
     """
-    model_file = checkpoint / "mp_rank_00_model_states.pt"
-    if not model_file.is_file():
-        raise FileNotFoundError(f"{model_file} not found: {checkpoint} is not a DeepSpeed checkpoint directory")
-    states = torch.load(model_file, map_location="cpu", weights_only=False)
+    model_file = checkpoint / "mp_rank_00_model_states.pt"  # ZeRO 0-2
+    zero3_file = checkpoint / "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ZeRO 3
+    if not model_file.is_file() and not zero3_file.is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a DeepSpeed checkpoint directory (no {model_file.name} "
+                                f"or {zero3_file.name})")
+    states = torch.load(model_file if model_file.is_file() else zero3_file, map_location="cpu", weights_only=False)
     module = states.get("module")
     zero_stage = int(states.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
     if zero_stage == 3 or not module:

@@ -89,12 +89,15 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     horizon = Horizon(total_steps=total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
+    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
+    resume_from = ckpt.find_resumable()
+    if resume_from is not None and ckpt.read_meta(resume_from).get("universal"):
+        # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
     bind_zero_layout(engine, optimizer)
-    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
     step = 0
-    resume_from = ckpt.find_resumable()
     if resume_from is not None:
         step, rank_state = ckpt.load(engine, resume_from)
         restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)

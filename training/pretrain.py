@@ -84,6 +84,11 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         # Compile the forward only, as one graph (fullgraph: a graph break is an error, not a slowdown);
         # DeepSpeed's module hooks stay outside it. Parameter names are unchanged.
         model.forward = torch.compile(model.forward, fullgraph=True)
+    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
+    resume_from = ckpt.find_resumable()
+    if resume_from is not None and ckpt.read_meta(resume_from).get("universal"):
+        # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
     bind_zero_layout(engine, optimizer)
@@ -95,9 +100,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         engine.compile()  # ZeRO 3 gathers parameters in module hooks: DeepSpeed's own compile path
 
     # --- resume -----------------------------------------------------------------------------
-    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
     step, elapsed_before = 0, 0.0
-    resume_from = ckpt.find_resumable()
     if resume_from is not None:
         step, rank_state = ckpt.load(engine, resume_from)
         train_batches.load_state_dict(rank_state["data"])
