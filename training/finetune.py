@@ -18,7 +18,6 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import contextlib
-import json
 import logging
 import time
 
@@ -26,13 +25,15 @@ import torch
 
 from training.budget import Horizon
 from training.distributed import DistInfo, all_reduce_sum
-from training.metrics import MetricsLogger, train_line
+from training.metrics import train_line
 from training.run_setup import (
     build_model,
     build_optimizer_and_schedule,
     capture_rng_state,
     launch,
+    open_run_outputs,
     restore_rng_state,
+    start_engine,
 )
 from training.stop_signals import EXIT_REQUEUE, StopRequest
 
@@ -40,13 +41,9 @@ logger = logging.getLogger("t5ds.finetune")
 
 
 def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
-    import deepspeed
-
-    from training.checkpoint import CheckpointManager
-    from training.config import dump_yaml, micro_batch_size
+    """Run (or resume) SNI fine-tuning with a final Rouge-L evaluation; returns the process exit code."""
+    from training.config import micro_batch_size
     from training.ds_config import resolve_ds_config
-    from training.export import write_model_config
-    from training.optim import bind_zero_layout
     from training.sni.encoding import (
         SNITokenizer,
         TemplateConfig,
@@ -89,27 +86,15 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     horizon = Horizon(total_steps=total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
-    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
-    resume_from = ckpt.find_resumable()
-    if resume_from is not None and ckpt.read_meta(resume_from).get("universal"):
-        # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, dist_init_required=False)
-    bind_zero_layout(engine, optimizer)
+    engine, ckpt, resume_from = start_engine(cfg, model, optimizer, scheduler, ds_config, out_dir, rank=rank,
+                                             world_size=world_size, device=device)
     step = 0
     if resume_from is not None:
         step, rank_state = ckpt.load(engine, resume_from)
         restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
-        logger.info("resumed from %s at step %d", resume_from, step)
+    start_step = step
 
-    metrics = MetricsLogger(out_dir, rank=rank, wandb_mode=cfg.logging.wandb,
-                            wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
-                            config=cfg.to_dict())
-    if rank == 0:
-        dump_yaml(cfg, out_dir / "config.yaml")
-        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
-        write_model_config(out_dir, model_cfg)
+    metrics = open_run_outputs(cfg, ds_config, model_cfg, out_dir, rank=rank)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "init": cfg.init,
                           "train_instances": len(examples), "total_steps": total_steps})
     logger.info("%d training instances of %d tasks: %d steps per epoch, %d steps", len(examples), len(tasks),
@@ -182,7 +167,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
     if exit_code == 0:
         result = run_eval()
-        ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+        if step != start_step or resume_from is None:  # a finished run restarted has nothing new to save
+            ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
         if rank == 0:
             print(f"SNI test Rouge-L {result['rougeL']:.2f} (exact match {result['exact_match']:.2f}, "
                   f"{result['n_instances']} instances) after {step} steps; predictions and metrics in "

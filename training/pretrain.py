@@ -17,7 +17,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (`deepspeed training/pretrain.py`): import the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import json
 import logging
 import time
 
@@ -25,15 +24,17 @@ import torch
 
 from training.budget import Horizon, TimeBudget
 from training.distributed import DistInfo, all_reduce_sum
-from training.metrics import MetricsLogger, train_line
+from training.metrics import train_line
 from training.run_setup import (
     build_model,
     build_optimizer_and_schedule,
     capture_rng_state,
     launch,
     matmul_peak_tflops,
+    open_run_outputs,
     replicated_grad_l2,
     restore_rng_state,
+    start_engine,
     tokenizer_hash,
 )
 from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE, StopRequest
@@ -43,16 +44,12 @@ logger = logging.getLogger("t5ds.pretrain")
 
 def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     """Run (or resume) pre-training; returns the process exit code."""
-    import deepspeed
-
-    from training.checkpoint import CheckpointManager
-    from training.config import dump_yaml, eval_batch_size_per_rank, micro_batch_size
+    from training.config import eval_batch_size_per_rank, micro_batch_size
     from training.data import PretrainBatches, validation_batches
     from training.ds_config import resolve_ds_config
     from training.evaluation import evaluate_span_corruption
-    from training.export import write_model_config
     from training.model.flops import model_flops_per_step
-    from training.optim import bind_zero_layout, weight_l2_norm
+    from training.optim import weight_l2_norm
 
     # Installed first: a preemption signal during start-up is then honoured at the first step.
     stop = StopRequest()
@@ -80,24 +77,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     target_length = train_batches.target_length
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
-    if cfg.model.compile and device.type == "cuda" and ds_config.get("zero_optimization", {}).get("stage", 0) < 3:
-        # Compile the forward only, as one graph (fullgraph: a graph break is an error, not a slowdown);
-        # DeepSpeed's module hooks stay outside it. Parameter names are unchanged.
-        model.forward = torch.compile(model.forward, fullgraph=True)
-    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
-    resume_from = ckpt.find_resumable()
-    if resume_from is not None and ckpt.read_meta(resume_from).get("universal"):
-        # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, dist_init_required=False)
-    bind_zero_layout(engine, optimizer)
-    if world_size == 1 and engine.zero_optimization_stage() == 0:
-        # One rank has nothing to reduce; DeepSpeed would still flatten, "all-reduce" and copy back
-        # every gradient each step.
-        engine.enable_backward_allreduce = False
-    if cfg.model.compile and device.type == "cuda" and engine.zero_optimization_stage() == 3:
-        engine.compile()  # ZeRO 3 gathers parameters in module hooks: DeepSpeed's own compile path
+    engine, ckpt, resume_from = start_engine(cfg, model, optimizer, scheduler, ds_config, out_dir, rank=rank,
+                                             world_size=world_size, device=device)
 
     # --- resume -----------------------------------------------------------------------------
     step, elapsed_before = 0, 0.0
@@ -107,17 +88,10 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
         elapsed_before = rank_state.get("elapsed_s", 0.0)
         horizon.total_steps = rank_state.get("horizon_steps", horizon.total_steps)
-        logger.info("resumed from %s at step %d", resume_from, step)
     start_step = step
     budget = TimeBudget(cfg.budget.hours, elapsed_before_s=elapsed_before)
 
-    metrics = MetricsLogger(out_dir, rank=rank, wandb_mode=cfg.logging.wandb,
-                            wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
-                            config=cfg.to_dict())
-    if rank == 0:
-        dump_yaml(cfg, out_dir / "config.yaml")
-        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
-        write_model_config(out_dir, model_cfg)
+    metrics = open_run_outputs(cfg, ds_config, model_cfg, out_dir, rank=rank)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "world_size": world_size,
                           "parameters": sum(p.numel() for p in model.parameters())})
 

@@ -87,6 +87,57 @@ def replicated_grad_l2(model: torch.nn.Module) -> float:
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0))
 
 
+def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: dict, out_dir: Path, *, rank: int,
+                 world_size: int, device: torch.device):
+    """The DeepSpeed engine of a run and where it resumes from: (engine, checkpoint manager, newest
+    complete checkpoint or None). Compiles the model when `model.compile` asks for it on a GPU, loads
+    universal checkpoints (training/checkpoint_universal.py) as such, binds the optimizer's ZeRO layout.
+    Loading the checkpoint itself is left to the caller (it restores its own per-rank state)."""
+    import deepspeed
+
+    from training.checkpoint import CheckpointManager
+    from training.optim import bind_zero_layout
+
+    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    compile_model = cfg.model.compile and device.type == "cuda"
+    if compile_model and zero_stage < 3:
+        # Compile the forward only, as one graph (fullgraph: a graph break is an error, not a slowdown);
+        # DeepSpeed's module hooks stay outside it. Parameter names are unchanged.
+        model.forward = torch.compile(model.forward, fullgraph=True)
+    ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
+    resume_from = ckpt.find_resumable()
+    if resume_from is not None and ckpt.read_meta(resume_from).get("universal"):
+        # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, dist_init_required=False)
+    bind_zero_layout(engine, optimizer)
+    if world_size == 1 and zero_stage == 0:
+        # One rank has nothing to reduce; DeepSpeed would still flatten, "all-reduce" and copy back
+        # every gradient each step.
+        engine.enable_backward_allreduce = False
+    if compile_model and zero_stage == 3:
+        engine.compile()  # ZeRO 3 gathers parameters in module hooks: DeepSpeed's own compile path
+    return engine, ckpt, resume_from
+
+
+def open_run_outputs(cfg, ds_config: dict, model_config, out_dir: Path, *, rank: int):
+    """Record the resolved run config, DeepSpeed config and model shape in the run directory (rank 0)
+    and return the run's MetricsLogger."""
+    import json
+
+    from training.config import dump_yaml
+    from training.export import write_model_config
+    from training.metrics import MetricsLogger
+
+    if rank == 0:
+        dump_yaml(cfg, out_dir / "config.yaml")
+        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+        write_model_config(out_dir, model_config)
+    return MetricsLogger(out_dir, rank=rank, wandb_mode=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
+                         run_name=cfg.logging.run_name, config=cfg.to_dict())
+
+
 def capture_rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
