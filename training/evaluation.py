@@ -6,34 +6,21 @@ import torch
 import torch.distributed as dist
 
 
-def _global_max(value: int, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 @torch.no_grad()
 def evaluate_span_corruption(engine, batches: list[dict], device: torch.device) -> dict:
     """Token-weighted mean loss and accuracy over this rank's `batches`, summed over all ranks.
 
-    Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively, so a
-    rank that stopped early would hang the others): a rank with fewer batches repeats its last one
-    with weight 0.
+    `batches` comes from `training.data.validation_batches`, which gives every rank the same number
+    of batches (ZeRO-3 gathers parameters collectively: a rank with fewer forward passes would hang
+    the others), padding the last ones with rows whose labels are all -100.
     """
     was_training = engine.training
     engine.eval()
-    n_passes = _global_max(len(batches), device)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss*tokens, correct, tokens
-    for i in range(n_passes):
-        batch = batches[min(i, len(batches) - 1)] if batches else None
-        if batch is None:
-            raise RuntimeError("this rank has no validation batch; use fewer ranks or more validation data")
+    for batch in batches:
         labels = batch["labels"].to(device, non_blocking=True)
         out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True), labels=labels,
                      return_logits=True)
-        if i >= len(batches):
-            continue
         mask = labels != -100
         tokens = mask.sum()
         correct = ((out.logits.argmax(dim=-1) == labels) & mask).sum()
