@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,34 +29,75 @@ sys.path.insert(0, str(REPO))
 from training.metrics import read_metrics  # noqa: E402
 
 
-def run_one(ds_config: str, args: argparse.Namespace, overrides: list[str]) -> dict:
-    out = Path(args.out) / Path(ds_config).stem
+def run_command(ds_config: str, args: argparse.Namespace, overrides: list[str], out: Path, nproc: int) -> list[str]:
+    """The command line of one engine run: training/pretrain.py on `nproc` processes (GPUs)."""
     launcher = [sys.executable]
-    if args.nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
-    cmd = [*launcher, str(REPO / "training/pretrain.py"), "--config", args.config, "--deepspeed_config", ds_config,
-           f"output_dir={out}", f"data.dir={args.data}", f"optim.total_steps={args.steps}",
-           f"optim.warmup_steps={min(10, args.steps - 1)}", f"logging.every_steps={args.log_every}",
-           "eval.every_steps=0", "eval.max_samples=256", "checkpoint.every_steps=0", "logging.wandb=disabled",
-           *overrides]
-    start = time.time()
-    with open(Path(args.out) / f"{Path(ds_config).stem}.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    wall = time.time() - start
-    if proc.returncode != 0:
-        return {"config": ds_config, "error": f"exit {proc.returncode} (see {log.name})", "wall_s": wall}
+    if nproc > 1:
+        # --standalone: a free rendezvous port per run, so several runs can share a machine
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return [*launcher, str(REPO / "training/pretrain.py"), "--config", args.config, "--deepspeed_config", ds_config,
+            f"output_dir={out}", f"data.dir={args.data}", f"optim.total_steps={args.steps}",
+            f"optim.warmup_steps={args.warmup if args.warmup is not None else min(10, args.steps - 1)}",
+            f"logging.every_steps={args.log_every}", "eval.every_steps=0", "eval.max_samples=256",
+            "checkpoint.every_steps=0", "checkpoint.at_end=false", "logging.wandb=disabled", *overrides]
+
+
+_RUNNING: list[subprocess.Popen] = []
+
+
+def _kill_runs(signum, frame) -> None:
+    """SIGTERM/SIGINT (e.g. `timeout`): kill every run's process group at once. A plain SIGTERM would
+    reach the trainer's stop handler, which writes a checkpoint first (180 GB for XXL)."""
+    for proc in _RUNNING:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
+
+
+def start_run(cmd: list[str], log_path: Path, gpus: list[int] | None = None) -> subprocess.Popen:
+    """Start one run in the background, its output in `log_path`, on the GPUs `gpus` (None: all),
+    in its own process group; this process kills those groups when it is terminated."""
+    if not _RUNNING:
+        signal.signal(signal.SIGTERM, _kill_runs)
+        signal.signal(signal.SIGINT, _kill_runs)
+    env = dict(os.environ)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    _RUNNING.append(proc)
+    return proc
+
+
+def summarise(out: Path, returncode: int, log_path: Path, wall_s: float) -> dict:
+    """Figures of a finished run from its metrics.jsonl: medians of the logging windows after the
+    first two (which hold compilation)."""
+    if returncode != 0 or not (out / "metrics.jsonl").exists():
+        return {"error": f"exit {returncode} (see {log_path})", "wall_s": wall_s}
     train = read_metrics(out / "metrics.jsonl", "train")
+    if not train:
+        return {"error": f"no training record (see {log_path})", "wall_s": wall_s}
     steady = train[2:] or train
     return {
-        "config": Path(ds_config).stem,
         "s_per_step": statistics.median(r["seconds_per_step"] for r in steady),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
         "mfu": statistics.median(r["mfu"] for r in steady) if steady[0].get("mfu") is not None else None,
         "peak_gib": max(r.get("peak_mem_gib") or 0.0 for r in train),
         "data_wait_ms": 1e3 * statistics.median(r["data_wait_s"] for r in steady),
+        "first_loss": train[0]["loss"],
         "last_loss": train[-1]["loss"],
-        "wall_s": wall,
+        "last_step": train[-1]["step"],
+        "wall_s": wall_s,
     }
+
+
+def run_one(ds_config: str, args: argparse.Namespace, overrides: list[str]) -> dict:
+    out = Path(args.out) / Path(ds_config).stem
+    log_path = Path(args.out) / f"{Path(ds_config).stem}.log"
+    start = time.time()
+    proc = start_run(run_command(ds_config, args, overrides, out, args.nproc), log_path)
+    proc.wait()
+    return {"config": Path(ds_config).stem, **summarise(out, proc.returncode, log_path, time.time() - start)}
 
 
 def main() -> int:
@@ -65,6 +107,7 @@ def main() -> int:
     parser.add_argument("--configs", default="zero0,zero1,zero2", help="ds_configs/<name>.json, comma list")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=None, help="optim.warmup_steps (default: min(10, steps-1))")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run")
     parser.add_argument("--out", default="runs/bench_engine")
     parser.add_argument("--json", default="", help="append one JSON line per run to this file")

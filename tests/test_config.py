@@ -32,6 +32,7 @@ def test_shipped_configs_exist():
         "t5_small_c4.yaml",
         "t5_large_c4.yaml",
         "t5_xl_c4.yaml",
+        "t5_xxl_c4.yaml",
         "tiny_demo.yaml",
         "t5_base_c4_budget_24h.yaml",
         "t5_base_c4_budget_16h.yaml",
@@ -87,7 +88,8 @@ def test_base_config_is_the_nanot5_recipe(repo_root):
 
 def test_size_variants_and_budgets_inherit_base(repo_root):
     base = load_run_config(str(repo_root / "training/configs/t5_base_c4.yaml"), [])
-    for name, preset in (("t5_small_c4", "small"), ("t5_large_c4", "large"), ("t5_xl_c4", "xl")):
+    for name, preset in (("t5_small_c4", "small"), ("t5_large_c4", "large"), ("t5_xl_c4", "xl"),
+                         ("t5_xxl_c4", "xxl")):
         cfg = load_run_config(str(repo_root / f"training/configs/{name}.yaml"), [])
         assert cfg.model.preset == preset
         assert cfg.optim.total_steps == base.optim.total_steps

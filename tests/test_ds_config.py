@@ -83,6 +83,16 @@ def test_deepspeed_accepts_resolved_configs(ds_path):
     assert parsed.gradient_clipping == 0.5
     assert parsed.zero_optimization_stage == zero_stage(load_ds_config(ds_path))
     assert parsed.torch_autocast_enabled is True
+    # DeepSpeed's throughput timer would synchronise the device twice per step
+    assert parsed.timers_config.enabled is False
+
+
+def test_throughput_timer_off_unless_asked_for():
+    ds = resolve_ds_config({"zero_optimization": {"stage": 0}}, _cfg(), 1, device_type="cuda")
+    assert ds["timers"] == {"throughput": {"enabled": False}}
+    asked = {"timers": {"throughput": {"enabled": True, "synchronized": False}}}
+    ds = resolve_ds_config(asked, _cfg(), 1, device_type="cuda")
+    assert ds["timers"]["throughput"] == {"enabled": True, "synchronized": False}
 
 
 def test_auto_fill_values():

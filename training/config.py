@@ -199,6 +199,9 @@ class CheckpointConfig:
     """Save a checkpoint every this many optimizer steps; 0 = only at the end of the run."""
     keep_last: int = 3
     """Keep this many newest checkpoints; older ones are deleted after a successful save."""
+    at_end: bool = True
+    """Save a checkpoint when the run reaches its last step or budget (false: benchmark and throwaway
+    runs; a stop signal still checkpoints, so a requeued job never loses its progress)."""
 
     def __post_init__(self) -> None:
         _check(

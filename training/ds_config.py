@@ -219,6 +219,12 @@ def resolve_ds_config(
     if stage not in (0, 1, 2, 3):
         raise DSConfigError(f"{source}: zero_optimization.stage={stage} must be 0, 1, 2 or 3")
 
+    # DeepSpeed's throughput timer synchronises the whole device at the start of every forward and
+    # at the end of every step (timers.throughput.synchronized defaults to true): two host stalls
+    # per step that leave the GPU idle while the host queues the next kernels. The training loop
+    # measures throughput itself, so the timer is off unless the config turns it on explicitly.
+    ds.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
+
     leftover = _find_autos(ds)
     if leftover:
         raise DSConfigError(

@@ -167,7 +167,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
     if exit_code == 0:
         result = run_eval()
-        if step != start_step or resume_from is None:  # a finished run restarted has nothing new to save
+        # a finished run restarted has nothing new to save
+        if cfg.checkpoint.at_end and (step != start_step or resume_from is None):
             ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
         if rank == 0:
             print(f"SNI test Rouge-L {result['rougeL']:.2f} (exact match {result['exact_match']:.2f}, "

@@ -201,7 +201,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
     if exit_code == 0:
         result = run_eval()
-        if step != start_step or resume_from is None:  # a finished run restarted has nothing new to save
+        # a finished run restarted has nothing new to save
+        if cfg.checkpoint.at_end and (step != start_step or resume_from is None):
             save_checkpoint()
         if rank == 0:
             print(f"held-out loss {result['eval_loss']:.4f} (token accuracy {result['eval_accuracy']:.4f}, "

@@ -41,7 +41,10 @@ def build_model(model_section, device: torch.device, init: str | None = None):
 
     overrides = {"dropout_rate": model_section.dropout_rate, "attention_backend": model_section.attention_backend}
     if init in (None, "", "random"):
-        model = T5ForConditionalGeneration(T5Config.from_preset(model_section.preset, **overrides))
+        # Built and initialised on the training device: an 11B model's random init on the host
+        # takes minutes per rank and its fp32 copy 45 GB of host memory per rank.
+        with torch.device(device):
+            model = T5ForConditionalGeneration(T5Config.from_preset(model_section.preset, **overrides))
     elif (Path(init) / "model_config.json").is_file():
         from training.export import load_run_model
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The multi-GPU measurements of docs/performance.md, on one machine of 4 GPUs, in two parts (each
+# fits a 10-minute slot; the second reuses the shards and the compile cache of the first).
+#
+#   bash benchmarks/multi_gpu.sh scaling   # shard; weak scaling 1/2/4 GPUs x ZeRO 0-3 (T5 base)
+#   bash benchmarks/multi_gpu.sh large     # ZeRO 2 on 4 GPUs resumed as ZeRO 3 on 2; XL and XXL on
+#                                          # 4 GPUs with ZeRO 3
+#
+# Environment: WIKI (jsonl.gz text, default .gpudata/wiki/*.jsonl.gz), WORK (shards, runs and the
+# compile cache, default .gpucache), OUT (where the summaries and log archives go, default $WORK/out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?usage: multi_gpu.sh scaling|large}
+WIKI=${WIKI:-.gpudata/wiki/*.jsonl.gz}
+WORK=${WORK:-.gpucache}
+OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK" "$OUT"
+export TORCHINDUCTOR_CACHE_DIR=$PWD/$WORK/inductor TRITON_CACHE_DIR=$PWD/$WORK/triton PYTHONUNBUFFERED=1
+DATA=$WORK/shards
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus_$part.txt"
+
+if [ ! -f "$DATA/manifest.json" ]; then
+  start=$(date +%s)
+  python -m data_prep.shard --input "$WIKI" --validation-input 'assets/c4/en/c4-validation*.json.gz' \
+    --output "$DATA" --workers 32 >"$WORK/shard.log" 2>&1 || { tail -20 "$WORK/shard.log"; exit 1; }
+  echo "sharded in $(( $(date +%s) - start )) s"
+fi
+
+# Each part ends before DEADLINE seconds (a device slot is 600 s): a step gets the time left.
+DEADLINE=$(( $(date +%s) + ${SECONDS_LEFT:-570} ))
+left() { echo $(( DEADLINE - $(date +%s) )); }
+
+case $part in
+scaling)
+  # 1 GPU first (the baseline of every efficiency), then 4, then 2: what matters most comes first.
+  timeout "$(left)" python benchmarks/scaling.py --data "$DATA" --gpus 1,4,2 --configs zero1,zero2,zero0,zero3 \
+    --steps 20 --log-every 5 --parallel --out "$WORK/runs/scaling" --json "$OUT/scaling.jsonl" \
+    data.num_workers=4 | tee "$OUT/scaling.txt"
+  tar czf "$OUT/scaling_logs.tgz" "$WORK"/runs/scaling/*.log "$WORK"/runs/scaling/*/metrics.jsonl 2>/dev/null
+  ;;
+large)
+  # ZeRO 2 on 4 GPUs, checkpoint at step 10, universal conversion, resumed as ZeRO 3 on 2 GPUs.
+  timeout "$(( $(left) < 200 ? $(left) : 200 ))" python benchmarks/reshard_resume.py --data "$DATA" \
+    --source zero2:4 --target zero3:2 --steps 20 --batch 128 --out "$WORK/runs/reshard" data.num_workers=4 \
+    | tee "$OUT/reshard.txt"
+  # T5 v1.1 XL, ZeRO 3, 4 GPUs, 64 sequences per GPU (global 256).
+  timeout "$(( $(left) < 240 ? $(left) : 240 ))" python benchmarks/scaling.py --data "$DATA" \
+    --config training/configs/t5_xl_c4.yaml --gpus 4 --configs zero3 --per-gpu-batch 64 --steps 15 --log-every 5 \
+    --out "$WORK/runs/xl" --json "$OUT/large.jsonl" data.num_workers=4 | tee "$OUT/xl.txt"
+  # T5 v1.1 XXL, ZeRO 3, 4 GPUs, 16 sequences per GPU, eager (its compile would take most of the slot).
+  timeout "$(left)" python benchmarks/scaling.py --data "$DATA" --config training/configs/t5_xxl_c4.yaml \
+    --gpus 4 --configs zero3 --per-gpu-batch 16 --steps 8 --log-every 2 --out "$WORK/runs/xxl" \
+    --json "$OUT/large.jsonl" data.num_workers=4 model.compile=false | tee "$OUT/xxl.txt"
+  tar czf "$OUT/large_logs.tgz" "$WORK"/runs/reshard/*.log "$WORK"/runs/xl/*.log "$WORK"/runs/xxl/*.log \
+    "$WORK"/runs/*/*/metrics.jsonl 2>/dev/null
+  ;;
+*)
+  echo "unknown part $part: scaling or large" >&2
+  exit 2
+  ;;
+esac

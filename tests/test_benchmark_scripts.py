@@ -1,0 +1,92 @@
+"""The multi-run benchmark scripts: wave planning, scaling arithmetic, and a real CPU run of
+benchmarks/scaling.py (tiny model, gloo, 1 and 2 processes) that must produce agreeing losses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.scaling import add_scaling, loss_spread, plan_waves
+from tests.test_pretrain import _env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_plan_waves_packs_disjoint_gpus():
+    waves = plan_waves([1, 2, 4], ["zero0", "zero1", "zero2", "zero3"], total_gpus=4, parallel=True)
+    assert [len(w) for w in waves] == [4, 2, 2, 1, 1, 1, 1]
+    for wave in waves:
+        ids = [g for run in wave for g in run["gpu_ids"]]
+        assert len(ids) == len(set(ids)) and max(ids) < 4  # disjoint, on the machine
+        assert all(len(run["gpu_ids"]) == run["gpus"] for run in wave)
+    runs = [(r["gpus"], r["config"]) for w in waves for r in w]
+    assert sorted(runs) == sorted((n, c) for n in (1, 2, 4) for c in ("zero0", "zero1", "zero2", "zero3"))
+    sequential = plan_waves([1, 2], ["zero0", "zero1"], total_gpus=4, parallel=False)
+    assert [len(w) for w in sequential] == [1, 1, 1, 1]
+    with pytest.raises(SystemExit, match="4 GPUs but 2"):
+        plan_waves([4], ["zero0"], total_gpus=2, parallel=False)
+
+
+def test_scaling_efficiency_and_loss_spread():
+    rows = [
+        {"config": "zero1", "gpus": 1, "tokens_per_gpu": 400.0, "last_loss": 10.0},
+        {"config": "zero1", "gpus": 4, "tokens_per_gpu": 360.0, "last_loss": 9.0},
+        {"config": "zero2", "gpus": 4, "tokens_per_gpu": 380.0, "last_loss": 9.09},
+        {"config": "zero3", "gpus": 4, "error": "exit 1"},
+    ]
+    add_scaling(rows)
+    assert rows[0]["scaling_eff"] == 1.0 and rows[1]["scaling_eff"] == pytest.approx(0.9)
+    assert "scaling_eff" not in rows[2]  # no 1-GPU zero2 run to compare with
+    assert loss_spread(rows) == {4: pytest.approx(0.01)}
+
+
+def test_scaling_script_runs_on_cpu(tmp_path):
+    from tests.test_pretrain import REPO as repo
+
+    shards = tmp_path / "shards"
+    subprocess.run([sys.executable, "-m", "data_prep.shard", "--input", "assets/c4/en/c4-train.00000-of-01024.json.gz",
+                    "--validation-input", "assets/c4/en/c4-validation.00000-of-00008.json.gz",
+                    "--tokenizer", "assets/t5/spiece.model", "--output", str(shards), "--input-length", "64",
+                    "--workers", "1"], cwd=repo, env=_env(), check=True, capture_output=True)
+    out, results = tmp_path / "scaling", tmp_path / "rows.jsonl"
+    cmd = [sys.executable, "benchmarks/scaling.py", "--data", str(shards), "--config", "training/configs/tiny_demo.yaml",
+           "--configs", "zero0,zero2", "--gpus", "1,2", "--total-gpus", "2", "--parallel", "--per-gpu-batch", "4",
+           "--steps", "4", "--log-every", "1", "--out", str(out), "--json", str(results),
+           "data.input_length=64", "data.num_workers=0", "eval.batch_size=8", "eval.max_samples=16"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert sorted((r["config"], r["gpus"]) for r in rows) == [("zero0", 1), ("zero0", 2), ("zero2", 1), ("zero2", 2)]
+    for r in rows:
+        assert r["global_batch"] == 4 * r["gpus"] and r["last_step"] == 4 and r["tokens_per_s"] > 0
+        assert r["scaling_eff"] > 0
+    # same global batch, same seed: ZeRO 0 and ZeRO 2 end at the same loss on the same GPU count
+    for n in (1, 2):
+        a, b = (r["last_loss"] for r in rows if r["gpus"] == n)
+        assert abs(a - b) / a < 1e-3, rows
+    assert "last losses of zero0, zero2 within" in proc.stdout
+    # benchmark runs keep no checkpoint (checkpoint.at_end=false)
+    assert not list(out.glob("*/checkpoints/step_*"))
+
+
+def test_reshard_resume_script_on_cpu(tmp_path):
+    """ZeRO 2 on 2 processes, converted half-way, resumed as ZeRO 3 on 1: the losses go on."""
+    shards = tmp_path / "shards"
+    subprocess.run([sys.executable, "-m", "data_prep.shard", "--input", "assets/c4/en/c4-train.00000-of-01024.json.gz",
+                    "--validation-input", "assets/c4/en/c4-validation.00000-of-00008.json.gz",
+                    "--tokenizer", "assets/t5/spiece.model", "--output", str(shards), "--input-length", "64",
+                    "--workers", "1"], cwd=REPO, env=_env(), check=True, capture_output=True)
+    cmd = [sys.executable, "benchmarks/reshard_resume.py", "--data", str(shards), "--config",
+           "training/configs/tiny_demo.yaml", "--source", "zero2:2", "--target", "zero3:1", "--steps", "6",
+           "--batch", "8", "--no-gpu-ids", "--out", str(tmp_path / "reshard"), "data.input_length=64",
+           "data.num_workers=0", "eval.batch_size=8", "eval.max_samples=16"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(cols[0]) for cols in lines] == [4, 5, 6]
+    gap = float(proc.stdout.split("largest relative gap after the resume: ")[1].split("%")[0])
+    assert gap < 0.1  # percent: the resumed run continues the same trajectory
