@@ -120,7 +120,11 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
         # every gradient each step.
         engine.enable_backward_allreduce = False
     if compile_model and zero_stage == 3:
-        engine.compile()  # ZeRO 3 gathers parameters in module hooks: DeepSpeed's own compile path
+        # ZeRO 3 gathers each parameter in module hooks that dynamo does not run: through
+        # engine.compile() (DeepSpeed 0.19.8, torch 2.11) the traced matmuls see the empty partitions
+        # ("size mismatch, got input (65536x768), vec (0)"). ZeRO 3 runs eager.
+        logger.warning("model.compile is ignored with ZeRO 3 (DeepSpeed's parameter gathering does not "
+                       "trace); the model runs eager")
     return engine, ckpt, resume_from
 
 
