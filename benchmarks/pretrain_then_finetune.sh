@@ -39,7 +39,11 @@ fi
 if [ ! -f "$DATA/manifest.json" ]; then
   text=$WORK/pretrain_text
   mkdir -p "$text"
-  for f in $WIKI assets/c4/en/c4-train*.json.gz; do ln -sf "$PWD/$f" "$text/"; done
+  for f in $WIKI assets/c4/en/c4-train*.json.gz; do
+    # an unmatched glob stays literal: stop rather than pre-train on less text than asked for
+    [ -f "$f" ] || { echo "no file matches $f: set WIKI to your text files (jsonl.gz with a text field)" >&2; exit 2; }
+    ln -sf "$PWD/$f" "$text/"
+  done
   python -m data_prep.shard --input "$text/*" --validation-input 'assets/c4/en/c4-validation*.json.gz' \
     --output "$DATA" --workers 16 2>&1 | tail -3
 fi

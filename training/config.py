@@ -66,7 +66,8 @@ class ModelConfig:
     attention_backend: str = "auto"
     """Attention implementation: auto (picks per device) | math | sdpa | flex | triton (training.model)."""
     compile: bool = True
-    """torch.compile the model. Ignored on CPU (compilation there costs more than it saves)."""
+    """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves)
+    and with ZeRO 3 (DeepSpeed gathers its parameters in hooks that the compiled graph skips)."""
     init_from: str | None = None
     """Optional weights to start from: a Hugging Face model dir or a nanoT5 state dict (.pt/.bin)."""
 
