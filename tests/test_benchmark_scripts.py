@@ -16,6 +16,17 @@ from tests.test_pretrain import _env
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """The bundled C4 sample sharded for 64-token inputs (train and validation)."""
+    out = tmp_path_factory.mktemp("shards") / "c4"
+    subprocess.run([sys.executable, "-m", "data_prep.shard", "--input", "assets/c4/en/c4-train.00000-of-01024.json.gz",
+                    "--validation-input", "assets/c4/en/c4-validation.00000-of-00008.json.gz",
+                    "--tokenizer", "assets/t5/spiece.model", "--output", str(out), "--input-length", "64",
+                    "--workers", "1"], cwd=REPO, env=_env(), check=True, capture_output=True)
+    return out
+
+
 def test_plan_waves_packs_disjoint_gpus():
     waves = plan_waves([1, 2, 4], ["zero0", "zero1", "zero2", "zero3"], total_gpus=4, parallel=True)
     assert [len(w) for w in waves] == [4, 2, 2, 1, 1, 1, 1]
@@ -44,14 +55,7 @@ def test_scaling_efficiency_and_loss_spread():
     assert loss_spread(rows) == {4: pytest.approx(0.01)}
 
 
-def test_scaling_script_runs_on_cpu(tmp_path):
-    from tests.test_pretrain import REPO as repo
-
-    shards = tmp_path / "shards"
-    subprocess.run([sys.executable, "-m", "data_prep.shard", "--input", "assets/c4/en/c4-train.00000-of-01024.json.gz",
-                    "--validation-input", "assets/c4/en/c4-validation.00000-of-00008.json.gz",
-                    "--tokenizer", "assets/t5/spiece.model", "--output", str(shards), "--input-length", "64",
-                    "--workers", "1"], cwd=repo, env=_env(), check=True, capture_output=True)
+def test_scaling_script_runs_on_cpu(shards, tmp_path):
     out, results = tmp_path / "scaling", tmp_path / "rows.jsonl"
     cmd = [sys.executable, "benchmarks/scaling.py", "--data", str(shards), "--config", "training/configs/tiny_demo.yaml",
            "--configs", "zero0,zero2", "--gpus", "1,2", "--total-gpus", "2", "--parallel", "--per-gpu-batch", "4",
@@ -73,13 +77,8 @@ def test_scaling_script_runs_on_cpu(tmp_path):
     assert not list(out.glob("*/checkpoints/step_*"))
 
 
-def test_reshard_resume_script_on_cpu(tmp_path):
+def test_reshard_resume_script_on_cpu(shards, tmp_path):
     """ZeRO 2 on 2 processes, converted half-way, resumed as ZeRO 3 on 1: the losses go on."""
-    shards = tmp_path / "shards"
-    subprocess.run([sys.executable, "-m", "data_prep.shard", "--input", "assets/c4/en/c4-train.00000-of-01024.json.gz",
-                    "--validation-input", "assets/c4/en/c4-validation.00000-of-00008.json.gz",
-                    "--tokenizer", "assets/t5/spiece.model", "--output", str(shards), "--input-length", "64",
-                    "--workers", "1"], cwd=REPO, env=_env(), check=True, capture_output=True)
     cmd = [sys.executable, "benchmarks/reshard_resume.py", "--data", str(shards), "--config",
            "training/configs/tiny_demo.yaml", "--source", "zero2:2", "--target", "zero3:1", "--steps", "6",
            "--batch", "8", "--no-gpu-ids", "--out", str(tmp_path / "reshard"), "data.input_length=64",

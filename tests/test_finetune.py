@@ -61,9 +61,12 @@ def test_finetune_from_our_pretraining_run_and_from_hf(random_init_run, tmp_path
     subprocess.run([sys.executable, "-m", "training.export", str(random_init_run), str(hf_dir)], cwd=REPO,
                    env=_env(), check=True, capture_output=True)
     from_hf = tmp_path / "from_hf"
-    finetune(from_hf, f"init={hf_dir}", "data.epochs=1")
+    finetune(from_hf, f"init={hf_dir}", "data.epochs=1", "checkpoint.at_end=false")
     hf_start = read_metrics(from_hf / "metrics.jsonl", "train")[0]["loss"]
     assert hf_start == pytest.approx(start_loss, rel=1e-4)
+    # checkpoint.at_end: the default saves the finished run, false leaves no checkpoint
+    assert (from_run / "checkpoints" / "latest").is_file()
+    assert not list(from_hf.glob("checkpoints/step_*"))
 
 
 def test_finetune_refuses_zero3_and_bad_init(tmp_path):

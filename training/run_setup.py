@@ -93,7 +93,8 @@ def replicated_grad_l2(model: torch.nn.Module) -> float:
 def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: dict, out_dir: Path, *, rank: int,
                  world_size: int, device: torch.device):
     """The DeepSpeed engine of a run and where it resumes from: (engine, checkpoint manager, newest
-    complete checkpoint or None). Compiles the model when `model.compile` asks for it on a GPU, loads
+    complete checkpoint or None). Compiles the model when `model.compile` asks for it on a GPU (not
+    under ZeRO 3, whose parameter gathering does not trace), loads
     universal checkpoints (training/checkpoint_universal.py) as such, binds the optimizer's ZeRO layout.
     Loading the checkpoint itself is left to the caller (it restores its own per-rank state)."""
     import deepspeed
@@ -116,9 +117,10 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
                                            config=ds_config, dist_init_required=False)
     bind_zero_layout(engine, optimizer)
     if world_size > 1 and zero_stage == 0:
-        logger.warning("ZeRO 0 on %d GPUs all-reduces the gradients after the backward, without overlap "
-                       "(92.8%% weak-scaling efficiency on 4 H200s for T5 base, against 102%% with ZeRO 1 or 2): "
-                       "use ds_configs/zero1.json on several GPUs (docs/performance.md)", world_size)
+        logger.warning("ZeRO 0 on %d ranks all-reduces the gradients after the backward, without overlap; "
+                       "ZeRO 1 overlaps the reduction with the backward and partitions the optimizer state: "
+                       "use ds_configs/zero1.json on several GPUs (scaling figures: docs/performance.md)",
+                       world_size)
     if world_size == 1 and zero_stage == 0:
         # One rank has nothing to reduce; DeepSpeed would still flatten, "all-reduce" and copy back
         # every gradient each step.
