@@ -86,7 +86,7 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     horizon = Horizon(total_steps=total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
-    engine, ckpt, resume_from = start_engine(cfg, model, optimizer, scheduler, ds_config, out_dir, rank=rank,
+    engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, out_dir, rank=rank,
                                              world_size=world_size, device=device)
     step = 0
     if resume_from is not None:
@@ -135,11 +135,14 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     window_steps, window_start = 0, time.perf_counter()
     engine.train()
     while step < total_steps:
-        for _ in range(cfg.optim.grad_acc):
+        grad_l2 = None
+        for micro in range(cfg.optim.grad_acc):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
             out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          labels=batch["labels"], return_logits=False)
             engine.backward(out.loss)
+            if clip is not None and micro == cfg.optim.grad_acc - 1:
+                grad_l2 = clip()  # ZeRO 0 with clipping: the loop clips (training/grad_clip.py)
             engine.step()
             window_loss += out.loss.detach().float() / cfg.optim.grad_acc
             window_tokens += batch["attention_mask"].sum() + (batch["labels"] != -100).sum()
@@ -149,7 +152,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             loss, tokens = all_reduce_sum([window_loss.item(), float(window_tokens.item())], device)
             seconds = time.perf_counter() - window_start
             record = {"step": step, "loss": loss / (world_size * window_steps), "lr": scheduler.get_last_lr()[0],
-                      "grad_l2": engine.get_global_grad_norm(), "seconds_per_step": seconds / window_steps,
+                      "grad_l2": float(grad_l2) if grad_l2 is not None else engine.get_global_grad_norm(),
+                      "seconds_per_step": seconds / window_steps,
                       "tokens_per_s": tokens / seconds, "epoch": step / steps_per_epoch}
             metrics.log("train", record)
             logger.info(train_line(record, total_steps))

@@ -77,7 +77,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     target_length = train_batches.target_length
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
-    engine, ckpt, resume_from = start_engine(cfg, model, optimizer, scheduler, ds_config, out_dir, rank=rank,
+    engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, out_dir, rank=rank,
                                              world_size=world_size, device=device)
 
     # --- resume -----------------------------------------------------------------------------
@@ -136,10 +136,14 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
                          labels=batch["labels"].to(device, non_blocking=True), return_logits=False)
             engine.backward(out.loss)
-            if log_now and micro == cfg.optim.grad_acc - 1 and engine.zero_optimization_stage() == 0:
-                # ZeRO 1-3 record the pre-clipping gradient norm; ZeRO 0 does not, so take it here,
-                # after the gradients were all-reduced and before engine.step() clips them.
-                grad_l2 = replicated_grad_l2(model)
+            if micro == cfg.optim.grad_acc - 1 and engine.zero_optimization_stage() == 0:
+                # ZeRO 1-3 clip inside DeepSpeed and record the pre-clipping norm; with ZeRO 0 the loop
+                # clips (training/grad_clip.py), after the gradients were all-reduced and before the
+                # update, and takes the norm here.
+                if clip is not None:
+                    grad_l2 = clip()
+                elif log_now:
+                    grad_l2 = replicated_grad_l2(model)
             engine.step()  # DeepSpeed applies the update only at the gradient-accumulation boundary
             window_loss += out.loss.detach().float() / cfg.optim.grad_acc
         step += 1

@@ -93,13 +93,15 @@ def replicated_grad_l2(model: torch.nn.Module) -> float:
 def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: dict, out_dir: Path, *, rank: int,
                  world_size: int, device: torch.device):
     """The DeepSpeed engine of a run and where it resumes from: (engine, checkpoint manager, newest
-    complete checkpoint or None). Compiles the model when `model.compile` asks for it on a GPU (not
+    complete checkpoint or None, the loop's `GradClip` or None: with ZeRO 0 the loop clips the
+    gradients itself, see training/grad_clip.py). Compiles the model when `model.compile` asks for it on a GPU (not
     under ZeRO 3, whose parameter gathering does not trace), loads
     universal checkpoints (training/checkpoint_universal.py) as such, binds the optimizer's ZeRO layout.
     Loading the checkpoint itself is left to the caller (it restores its own per-rank state)."""
     import deepspeed
 
     from training.checkpoint import CheckpointManager
+    from training.grad_clip import restore_clipping, take_over_clipping
     from training.optim import bind_zero_layout
 
     zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
@@ -113,8 +115,10 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     if resume_from is not None and ckpt.read_meta(resume_from).get("universal"):
         # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    clip = take_over_clipping(ds_config, model)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, dist_init_required=False)
+    restore_clipping(ds_config, clip)
     bind_zero_layout(engine, optimizer)
     if world_size > 1 and zero_stage == 0:
         logger.warning("ZeRO 0 on %d ranks all-reduces the gradients after the backward, without overlap; "
@@ -131,7 +135,7 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
         # ("size mismatch, got input (65536x768), vec (0)"). ZeRO 3 runs eager.
         logger.warning("model.compile is ignored with ZeRO 3 (DeepSpeed's parameter gathering does not "
                        "trace); the model runs eager")
-    return engine, ckpt, resume_from
+    return engine, ckpt, resume_from, clip
 
 
 def open_run_outputs(cfg, ds_config: dict, model_config, out_dir: Path, *, rank: int):
