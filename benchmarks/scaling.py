@@ -3,7 +3,7 @@
 Runs `training/pretrain.py` (real shards, a shipped run config, the shipped ds_configs) for a fixed
 number of steps on each GPU count and ZeRO stage and prints, per run: seconds/step, tokens/s,
 tokens/s per GPU, scaling efficiency (tokens/s per GPU against the 1-GPU run of the same stage),
-MFU, peak GPU memory (rank 0) and the loss at the last step; then, per GPU count, how far the
+MFU, peak GPU memory (the largest over the ranks) and the loss at the last step; then, per GPU count, how far the
 last losses of the stages are apart (same global batch, same seed: they must agree).
 
     python benchmarks/scaling.py --data DIR [--gpus 1,2,4] [--configs zero0,zero1,zero2,zero3]

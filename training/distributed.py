@@ -114,6 +114,14 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(value: float, device: torch.device) -> float:
+    """The largest of one float over all ranks (e.g. peak GPU memory: ZeRO 3 ranks differ)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def control_group():
     """The CPU process group for control decisions (None = the default group)."""
     return _control_group

@@ -23,7 +23,7 @@ import time
 import torch
 
 from training.budget import Horizon, TimeBudget
-from training.distributed import DistInfo, all_reduce_sum
+from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.metrics import train_line
 from training.run_setup import (
     build_model,
@@ -184,8 +184,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
                 # seconds per step this rank waited for the loader (0 when it keeps ahead of the GPU)
                 "data_wait_s": window_data_wait / window_steps,
             }
-            if device.type == "cuda":
-                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if device.type == "cuda":  # the most any rank has held (ZeRO 3 partitions are uneven)
+                record["peak_mem_gib"] = all_reduce_max(torch.cuda.max_memory_allocated(device) / 2**30, device)
             metrics.log("train", record)
             logger.info(train_line(record, horizon.total_steps))
             window_loss.zero_()
