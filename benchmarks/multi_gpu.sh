@@ -8,15 +8,16 @@
 #                                          # 4 GPUs with ZeRO 3
 #
 # Environment: WIKI (jsonl.gz text, default .gpudata/wiki/*.jsonl.gz), WORK (shards, runs and the
-# compile cache, default .gpucache), OUT (where the summaries and log archives go, default $WORK/out).
+# compile cache, default ${TMPDIR:-/tmp}/t5ds_bench: outside the checkout, which a lent GPU machine
+# replaces on every call), OUT (where the summaries and log archives go, default $WORK/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: multi_gpu.sh scaling|large}
 WIKI=${WIKI:-.gpudata/wiki/*.jsonl.gz}
-WORK=${WORK:-.gpucache}
+WORK=$(realpath -m "${WORK:-${TMPDIR:-/tmp}/t5ds_bench}")
 OUT=${OUT:-$WORK/out}
 mkdir -p "$WORK" "$OUT"
-export TORCHINDUCTOR_CACHE_DIR=$PWD/$WORK/inductor TRITON_CACHE_DIR=$PWD/$WORK/triton PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor TRITON_CACHE_DIR=$WORK/triton PYTHONUNBUFFERED=1
 DATA=$WORK/shards
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus_$part.txt"
 

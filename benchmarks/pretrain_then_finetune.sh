@@ -6,7 +6,8 @@
 #   bash benchmarks/pretrain_then_finetune.sh
 #
 # Environment (defaults in brackets): WIKI [.gpudata/wiki/*.jsonl.gz], SNI (compact SNI or a
-# natural-instructions checkout) [.gpudata/sni], WORK [.gpucache], OUT [$WORK/out],
+# natural-instructions checkout) [.gpudata/sni], WORK [${TMPDIR:-/tmp}/t5ds_bench: outside the
+# checkout, which a lent GPU machine replaces on every call], OUT [$WORK/out],
 # PRETRAIN_HOURS [0.1], LR [5e-3], WARMUP [300], FINETUNE_STEPS [1000], EVAL_PER_TASK [12],
 # MODEL_BENCH [1: first time the model alone, for the engine-vs-model comparison],
 # PRETRAIN_CONFIG [training/configs/t5_base_c4.yaml], FINETUNE_CONFIG [training/configs/sni.yaml]
@@ -18,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WIKI=${WIKI:-.gpudata/wiki/*.jsonl.gz}
 SNI=${SNI:-.gpudata/sni}
-WORK=${WORK:-.gpucache}
+WORK=$(realpath -m "${WORK:-${TMPDIR:-/tmp}/t5ds_bench}")
 OUT=${OUT:-$WORK/out}
 PRETRAIN_HOURS=${PRETRAIN_HOURS:-0.1}
 LR=${LR:-5e-3}
@@ -42,7 +43,7 @@ if [ ! -f "$DATA/manifest.json" ]; then
   for f in $WIKI assets/c4/en/c4-train*.json.gz; do
     # an unmatched glob stays literal: stop rather than pre-train on less text than asked for
     [ -f "$f" ] || { echo "no file matches $f: set WIKI to your text files (jsonl.gz with a text field)" >&2; exit 2; }
-    ln -sf "$PWD/$f" "$text/"
+    ln -sf "$(realpath "$f")" "$text/"
   done
   python -m data_prep.shard --input "$text/*" --validation-input 'assets/c4/en/c4-validation*.json.gz' \
     --output "$DATA" --workers 16 2>&1 | tail -3
