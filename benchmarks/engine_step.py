@@ -29,6 +29,13 @@ sys.path.insert(0, str(REPO))
 from training.metrics import read_metrics  # noqa: E402
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every engine benchmark shares: the shards, the run config, the warm-up."""
+    parser.add_argument("--data", required=True, help="a directory written by data_prep.shard")
+    parser.add_argument("--config", default="training/configs/t5_base_c4.yaml", help="run config")
+    parser.add_argument("--warmup", type=int, default=None, help="optim.warmup_steps (default: min(10, steps-1))")
+
+
 def run_command(ds_config: str, args: argparse.Namespace, overrides: list[str], out: Path, nproc: int) -> list[str]:
     """The command line of one engine run: training/pretrain.py on `nproc` processes (GPUs)."""
     launcher = [sys.executable]
@@ -102,12 +109,10 @@ def run_one(ds_config: str, args: argparse.Namespace, overrides: list[str]) -> d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="a directory written by data_prep.shard")
-    parser.add_argument("--config", default="training/configs/t5_base_c4.yaml")
+    add_run_arguments(parser)
     parser.add_argument("--configs", default="zero0,zero1,zero2", help="ds_configs/<name>.json, comma list")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=None, help="optim.warmup_steps (default: min(10, steps-1))")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run")
     parser.add_argument("--out", default="runs/bench_engine")
     parser.add_argument("--json", default="", help="append one JSON line per run to this file")

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine_step import run_command, start_run  # noqa: E402
+from benchmarks.engine_step import add_run_arguments, run_command, start_run  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
 
@@ -45,13 +45,11 @@ def train(name: str, nproc: int, out: Path, args, overrides: list[str]) -> float
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="a directory written by data_prep.shard")
-    parser.add_argument("--config", default="training/configs/t5_base_c4.yaml", help="run config")
+    add_run_arguments(parser)
     parser.add_argument("--source", default="zero2:4", help="ds config and GPU count of the first run")
     parser.add_argument("--target", default="zero3:2", help="ds config and GPU count of the resumed run")
     parser.add_argument("--steps", type=int, default=20, help="total steps; the checkpoint is at half")
     parser.add_argument("--batch", type=int, default=128, help="global batch (sequences), the same for both runs")
-    parser.add_argument("--warmup", type=int, default=None, help="optim.warmup_steps (default: min(10, steps-1))")
     parser.add_argument("--no-gpu-ids", dest="gpu_ids", action="store_false",
                         help="do not set CUDA_VISIBLE_DEVICES (CPU runs)")
     parser.add_argument("--out", default="runs/reshard")

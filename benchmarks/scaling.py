@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.engine_step import run_command, start_run, summarise  # noqa: E402
+from benchmarks.engine_step import add_run_arguments, run_command, start_run, summarise  # noqa: E402
 
 
 def plan_waves(gpu_counts: list[int], configs: list[str], total_gpus: int, parallel: bool) -> list[list[dict]]:
@@ -78,15 +78,13 @@ HEADER = (f"{'config':<8}{'gpus':>5}{'batch':>7}{'s/step':>9}{'tokens/s':>11}{'t
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="a directory written by data_prep.shard")
-    parser.add_argument("--config", default="training/configs/t5_base_c4.yaml", help="run config")
+    add_run_arguments(parser)
     parser.add_argument("--configs", default="zero0,zero1,zero2,zero3", help="ds_configs/<name>.json, comma list")
     parser.add_argument("--gpus", default="1,2,4", help="GPU counts, comma list")
     parser.add_argument("--per-gpu-batch", type=int, default=128, help="sequences per GPU per step (grad_acc 1)")
     parser.add_argument("--total-gpus", type=int, default=None, help="GPUs on this machine (default: all CUDA ones)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=None, help="optim.warmup_steps (default: min(10, steps-1))")
     parser.add_argument("--parallel", action="store_true", help="run small runs side by side on disjoint GPUs")
     parser.add_argument("--out", default="runs/scaling")
     parser.add_argument("--json", default="", help="append one JSON line per run to this file")
