@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.test_checkpoint import dist1  # noqa: F401  (fixture: a world-size-1 gloo group)
-from training.grad_clip import GradClip, restore_clipping, take_over_clipping
+from training.grad_clip import GradClip, loop_clip
 from training.model import T5Config, T5ForConditionalGeneration
 
 
@@ -46,18 +46,16 @@ def _ds(stage: int = 0, clip: float = 1.0, mode: str = "torch_autocast") -> dict
             "torch_autocast": {"enabled": mode == "torch_autocast"}, "bf16": {"enabled": mode == "bf16"}}
 
 
-def test_take_over_only_for_zero0_deepspeed_loop():
+def test_loop_clips_only_where_deepspeed_would_loop():
     model = torch.nn.Linear(3, 3)
-    ds = _ds()
-    clip = take_over_clipping(ds, model)
-    assert isinstance(clip, GradClip) and clip.max_norm == 1.0 and ds["gradient_clipping"] == 0.0
-    restore_clipping(ds, clip)
-    assert ds["gradient_clipping"] == 1.0
-    fp32 = _ds(mode="fp32")
-    assert take_over_clipping(fp32, model) is not None
+    for ds in (_ds(), _ds(mode="fp32")):
+        untouched = copy.deepcopy(ds)
+        clip = loop_clip(ds, model)
+        assert isinstance(clip, GradClip) and clip.max_norm == 1.0
+        assert ds == untouched  # the run's config keeps its value; start_engine hands DeepSpeed a copy
     for ds in (_ds(stage=1), _ds(stage=3), _ds(clip=0.0), _ds(mode="bf16"),
                {**_ds(mode="fp32"), "fp16": {"enabled": True}}):
         untouched = copy.deepcopy(ds)
-        assert take_over_clipping(ds, model) is None and ds == untouched
+        assert loop_clip(ds, model) is None and ds == untouched
     with pytest.raises(ValueError, match="must be > 0"):
         GradClip(model.parameters(), 0.0)

@@ -106,20 +106,21 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
 
 
+def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)  # float64: counts stay exact
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum a few floats over all ranks (float64 on the wire, so counts stay exact)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
+    return _all_reduce(values, device, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(value: float, device: torch.device) -> float:
     """The largest of one float over all ranks (e.g. peak GPU memory: ZeRO 3 ranks differ)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return _all_reduce([value], device, dist.ReduceOp.MAX)[0]
 
 
 def control_group():

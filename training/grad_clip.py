@@ -4,7 +4,7 @@ DeepSpeed clips ZeRO 0 gradients (fp32 and torch_autocast modes) in `engine.clip
 a Python loop with one norm kernel and one multiply kernel per parameter tensor, about 560 small
 kernels per step for T5 base, each a few microseconds of GPU time. ZeRO 1-3 and DeepSpeed's own
 bf16 optimizer clip their flat fp32 buffers inside the optimizer, which is fast, and are left to
-DeepSpeed. For ZeRO 0 the loop takes the clipping over: DeepSpeed is handed
+DeepSpeed. For ZeRO 0 the loop takes the clipping over (`loop_clip`): DeepSpeed is handed
 `gradient_clipping: 0` and the loop calls `GradClip` after the last backward of each step (the
 gradients are all-reduced by then) and before `engine.step()`. The arithmetic is DeepSpeed's and
 torch's: coefficient max_norm / (total_norm + 1e-6), capped at 1, applied to every gradient.
@@ -31,19 +31,12 @@ class GradClip:
         return torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
 
 
-def take_over_clipping(ds_config: dict, model: torch.nn.Module) -> GradClip | None:
-    """A `GradClip` for the loop when DeepSpeed would clip with its per-parameter loop (ZeRO 0,
-    fp32 or torch_autocast, clipping on), and `ds_config` set to `gradient_clipping: 0` for
-    `deepspeed.initialize`; None, and `ds_config` untouched, otherwise. The caller restores the
-    value in `ds_config` after initialize (`restore_clipping`) so the run directory records it."""
+def loop_clip(ds_config: dict, model: torch.nn.Module) -> GradClip | None:
+    """The loop's `GradClip` when DeepSpeed would clip with its per-parameter loop (ZeRO 0, fp32 or
+    torch_autocast, clipping on); None when DeepSpeed clips, or nothing does. When it returns a
+    clip, hand DeepSpeed the config with `gradient_clipping: 0` (training/run_setup.start_engine)."""
     max_norm = float(ds_config.get("gradient_clipping") or 0.0)
     fp16 = (ds_config.get("fp16") or {}).get("enabled") is True
     if max_norm <= 0 or zero_stage(ds_config) != 0 or precision_mode(ds_config) == "bf16" or fp16:
         return None
-    ds_config["gradient_clipping"] = 0.0
     return GradClip(model.parameters(), max_norm)
-
-
-def restore_clipping(ds_config: dict, clip: GradClip | None) -> None:
-    if clip is not None:
-        ds_config["gradient_clipping"] = clip.max_norm

@@ -101,40 +101,43 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     import deepspeed
 
     from training.checkpoint import CheckpointManager
-    from training.grad_clip import restore_clipping, take_over_clipping
+    from training.ds_config import zero_stage as ds_zero_stage
+    from training.grad_clip import loop_clip
     from training.optim import bind_zero_layout
 
-    zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    compile_model = cfg.model.compile and device.type == "cuda"
-    if compile_model and zero_stage < 3:
-        # Compile the forward only, as one graph (fullgraph: a graph break is an error, not a slowdown);
-        # DeepSpeed's module hooks stay outside it. Parameter names are unchanged.
-        model.forward = torch.compile(model.forward, fullgraph=True)
+    zero_stage = ds_zero_stage(ds_config)
+    if cfg.model.compile and device.type == "cuda":
+        if zero_stage < 3:
+            # Compile the forward only, as one graph (fullgraph: a graph break is an error, not a
+            # slowdown); DeepSpeed's module hooks stay outside it. Parameter names are unchanged.
+            model.forward = torch.compile(model.forward, fullgraph=True)
+        else:
+            # ZeRO 3 gathers each parameter in module hooks that dynamo does not run: through
+            # engine.compile() (DeepSpeed 0.19.8, torch 2.11) the traced matmuls see the empty
+            # partitions ("size mismatch, got input (65536x768), vec (0)"). ZeRO 3 runs eager.
+            logger.warning("model.compile is ignored with ZeRO 3 (DeepSpeed's parameter gathering does not "
+                           "trace); the model runs eager")
     ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
     resume_from = ckpt.find_resumable()
     if resume_from is not None and ckpt.read_meta(resume_from).get("universal"):
         # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    clip = take_over_clipping(ds_config, model)
+    clip = loop_clip(ds_config, model)
+    # With the loop clipping, DeepSpeed gets clipping 0; ds_config itself (written to the run
+    # directory) keeps the run's value.
+    engine_config = ds_config if clip is None else {**ds_config, "gradient_clipping": 0.0}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, dist_init_required=False)
-    restore_clipping(ds_config, clip)
+                                           config=engine_config, dist_init_required=False)
     bind_zero_layout(engine, optimizer)
-    if world_size > 1 and zero_stage == 0:
+    if zero_stage == 0 and world_size == 1:
+        # One rank has nothing to reduce; DeepSpeed would still flatten, "all-reduce" and copy back
+        # every gradient each step.
+        engine.enable_backward_allreduce = False
+    elif zero_stage == 0:
         logger.warning("ZeRO 0 on %d ranks all-reduces the gradients after the backward, without overlap; "
                        "ZeRO 1 overlaps the reduction with the backward and partitions the optimizer state: "
                        "use ds_configs/zero1.json on several GPUs (scaling figures: docs/performance.md)",
                        world_size)
-    if world_size == 1 and zero_stage == 0:
-        # One rank has nothing to reduce; DeepSpeed would still flatten, "all-reduce" and copy back
-        # every gradient each step.
-        engine.enable_backward_allreduce = False
-    if compile_model and zero_stage == 3:
-        # ZeRO 3 gathers each parameter in module hooks that dynamo does not run: through
-        # engine.compile() (DeepSpeed 0.19.8, torch 2.11) the traced matmuls see the empty partitions
-        # ("size mismatch, got input (65536x768), vec (0)"). ZeRO 3 runs eager.
-        logger.warning("model.compile is ignored with ZeRO 3 (DeepSpeed's parameter gathering does not "
-                       "trace); the model runs eager")
     return engine, ckpt, resume_from, clip
 
 
