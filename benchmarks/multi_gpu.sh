@@ -3,16 +3,18 @@
 # fits a 10-minute slot; the second reuses the shards and the compile cache of the first when $WORK
 # survives between them, and makes its own otherwise).
 #
-#   bash benchmarks/multi_gpu.sh scaling   # shard; weak scaling 1/2/4 GPUs x ZeRO 0-3 (T5 base)
+#   bash benchmarks/multi_gpu.sh scaling   # shard; weak scaling on 1 and 2 GPUs x ZeRO 0-3 (T5 base)
+#   bash benchmarks/multi_gpu.sh scaling4  # the same on 4 GPUs (CONFIGS4, default all four stages),
+#                                          # efficiency against the 1-GPU rows of `scaling`
 #   bash benchmarks/multi_gpu.sh large     # ZeRO 2 on 4 GPUs resumed as ZeRO 3 on 2; XL and XXL on
-#                                          # 4 GPUs with ZeRO 3
+#                                          # 4 GPUs with ZeRO 3 (LARGE, default "reshard xl xxl")
 #
 # Environment: WIKI (jsonl.gz text, default .gpudata/wiki/*.jsonl.gz), WORK (shards, runs and the
 # compile cache, default ${TMPDIR:-/tmp}/t5ds_bench: outside the checkout, which a lent GPU machine
 # replaces on every call), OUT (where the summaries and log archives go, default $WORK/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: multi_gpu.sh scaling|large}
+part=${1:?usage: multi_gpu.sh scaling|scaling4|large}
 WIKI=${WIKI:-.gpudata/wiki/*.jsonl.gz}
 WORK=$(realpath -m "${WORK:-${TMPDIR:-/tmp}/t5ds_bench}")
 OUT=${OUT:-$WORK/out}
@@ -34,31 +36,43 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 
 case $part in
 scaling)
-  # 1 GPU first (the baseline of every efficiency), then 4, then 2: what matters most comes first.
-  timeout "$(left)" python benchmarks/scaling.py --data "$DATA" --gpus 1,4,2 --configs zero1,zero2,zero0,zero3 \
+  # Four 1-GPU runs side by side (the baselines of every efficiency), then two 2-GPU runs at a time.
+  timeout "$(left)" python benchmarks/scaling.py --data "$DATA" --gpus 1,2 --configs zero0,zero1,zero2,zero3 \
     --steps 20 --log-every 5 --parallel --out "$WORK/runs/scaling" --json "$OUT/scaling.jsonl" \
     data.num_workers=4 | tee "$OUT/scaling.txt"
   tar czf "$OUT/scaling_logs.tgz" "$WORK"/runs/scaling/*.log "$WORK"/runs/scaling/*/metrics.jsonl 2>/dev/null
   ;;
+scaling4)
+  [ -f "$OUT/scaling.jsonl" ] || echo "no $OUT/scaling.jsonl (run the scaling part first): no efficiency column"
+  touch "$OUT/scaling.jsonl"
+  timeout "$(left)" python benchmarks/scaling.py --data "$DATA" --gpus 4 --configs "${CONFIGS4:-zero0,zero1,zero2,zero3}" \
+    --steps 20 --log-every 5 --out "$WORK/runs/scaling4" --json "$OUT/scaling4.jsonl" \
+    --baseline-json "$OUT/scaling.jsonl" data.num_workers=4 | tee "$OUT/scaling4.txt"
+  tar czf "$OUT/scaling4_logs.tgz" "$WORK"/runs/scaling4/*.log "$WORK"/runs/scaling4/*/metrics.jsonl 2>/dev/null
+  ;;
 large)
-  # ZeRO 2 on 4 GPUs, checkpoint at step 10, universal conversion, resumed as ZeRO 3 on 2 GPUs.
-  timeout "$(( $(left) < 200 ? $(left) : 200 ))" python benchmarks/reshard_resume.py --data "$DATA" \
-    --source zero2:4 --target zero3:2 --steps 20 --batch 128 --out "$WORK/runs/reshard" data.num_workers=4 \
-    | tee "$OUT/reshard.txt"
-  # T5 v1.1 XL, ZeRO 3 (eager: see training/run_setup.py), 4 GPUs, 64 sequences per GPU (global 256).
-  timeout "$(( $(left) < 240 ? $(left) : 240 ))" python benchmarks/scaling.py --data "$DATA" \
-    --config training/configs/t5_xl_c4.yaml --gpus 4 --configs zero3 --per-gpu-batch 64 --steps 15 --log-every 5 \
-    --out "$WORK/runs/xl" --json "$OUT/large.jsonl" data.num_workers=4 | tee "$OUT/xl.txt"
-  # T5 v1.1 XXL, ZeRO 3, 4 GPUs, 4 sequences per GPU (16 ran out of memory).
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left)" python benchmarks/scaling.py --data "$DATA" \
-    --config training/configs/t5_xxl_c4.yaml \
-    --gpus 4 --configs zero3 --per-gpu-batch 4 --steps 8 --log-every 2 --out "$WORK/runs/xxl" \
-    --json "$OUT/large.jsonl" data.num_workers=4 | tee "$OUT/xxl.txt"
+  for job in ${LARGE:-reshard xl xxl}; do
+    case $job in
+    reshard)  # ZeRO 2 on 4 GPUs, checkpoint at step 10, universal conversion, resumed as ZeRO 3 on 2 GPUs.
+      timeout "$(( $(left) < 200 ? $(left) : 200 ))" python benchmarks/reshard_resume.py --data "$DATA" \
+        --source zero2:4 --target zero3:2 --steps 20 --batch 128 --out "$WORK/runs/reshard" data.num_workers=4 \
+        | tee "$OUT/reshard.txt" ;;
+    xl)  # T5 v1.1 XL, ZeRO 3 (RMS norms and gated GELUs compiled, the rest eager), 4 GPUs, XL_BATCH per GPU.
+      timeout "$(( $(left) < 240 ? $(left) : 240 ))" python benchmarks/scaling.py --data "$DATA" \
+        --config training/configs/t5_xl_c4.yaml --gpus 4 --configs zero3 --per-gpu-batch "${XL_BATCH:-64}" \
+        --steps 15 --log-every 5 --out "$WORK/runs/xl" --json "$OUT/large.jsonl" data.num_workers=4 | tee "$OUT/xl.txt" ;;
+    xxl)  # T5 v1.1 XXL, ZeRO 3, 4 GPUs, 4 sequences per GPU (16 ran out of memory).
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left)" python benchmarks/scaling.py --data "$DATA" \
+        --config training/configs/t5_xxl_c4.yaml --gpus 4 --configs zero3 --per-gpu-batch 4 --steps "${XXL_STEPS:-8}" \
+        --log-every 2 --out "$WORK/runs/xxl" --json "$OUT/large.jsonl" data.num_workers=4 | tee "$OUT/xxl.txt" ;;
+    *) echo "unknown job $job in LARGE: reshard, xl, xxl" >&2; exit 2 ;;
+    esac
+  done
   tar czf "$OUT/large_logs.tgz" "$WORK"/runs/reshard/*.log "$WORK"/runs/xl/*.log "$WORK"/runs/xxl/*.log \
     "$WORK"/runs/*/*/metrics.jsonl 2>/dev/null
   ;;
 *)
-  echo "unknown part $part: scaling or large" >&2
+  echo "unknown part $part: scaling, scaling4 or large" >&2
   exit 2
   ;;
 esac

@@ -4,7 +4,9 @@
 
 Variants: adamwscale on the model's tensors (foreach path), adamwscale on one flat buffer with a
 bound layout (the ZeRO path, one rank), torch AdamW (foreach), and the nanoT5 per-tensor loop.
-Prints the median seconds per step of each.
+Prints the median seconds per step of each and, on CUDA, how many times one step makes the host
+wait for the GPU (`torch.cuda.set_sync_debug_mode`; adamwscale's should be 0: a step that waits lets
+the GPU idle while the host queues the next forward).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,6 +67,22 @@ def timed(fn, steps: int, device: torch.device) -> float:
     return statistics.median(times[1:])
 
 
+def host_syncs(fn, device: torch.device) -> int | None:
+    """How many times one call of `fn` waits for the GPU (None off CUDA). Call after a warm-up."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -88,6 +107,7 @@ def main() -> None:
     ps = make()
     opt = AdamWScale(ps, lr=1e-2)
     results["adamwscale (tensors, foreach)"] = timed(opt.step, args.steps, device)
+    syncs = {"adamwscale (tensors, foreach)": host_syncs(opt.step, device)}
     del opt, ps
 
     ps = make()
@@ -104,18 +124,22 @@ def main() -> None:
         [FlatLayout(lengths, index, [s[2] for s in spans], [str(j) for j, _, _ in spans], flat_param=flat)]
     )
     results["adamwscale (flat + layout, ZeRO path)"] = timed(opt.step, args.steps, device)
+    syncs["adamwscale (flat + layout, ZeRO path)"] = host_syncs(opt.step, device)
     del opt, flat
 
     ps = make()
     opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
     results["torch AdamW foreach"] = timed(opt.step, args.steps, device)
+    syncs["torch AdamW foreach"] = host_syncs(opt.step, device)
     del opt
 
     states = [dict(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p)) for p in ps]
     results["nanoT5 per-tensor loop"] = timed(lambda: nanot5_step(ps, states), args.steps, device)
+    syncs["nanoT5 per-tensor loop"] = host_syncs(lambda: nanot5_step(ps, states), device)
 
     for name, sec in results.items():
-        print(f"{name:40s} {sec * 1e3:9.1f} ms/step")
+        waits = "" if syncs[name] is None else f"   host waits/step {syncs[name]}"
+        print(f"{name:40s} {sec * 1e3:9.1f} ms/step{waits}")
 
 
 if __name__ == "__main__":

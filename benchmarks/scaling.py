@@ -7,7 +7,8 @@ MFU, peak GPU memory (the largest over the ranks) and the loss at the last step;
 last losses of the stages are apart (same global batch, same seed: they must agree).
 
     python benchmarks/scaling.py --data DIR [--gpus 1,2,4] [--configs zero0,zero1,zero2,zero3]
-        [--per-gpu-batch 128] [--steps 20] [--parallel] [--out runs/scaling] [key=value ...]
+        [--per-gpu-batch 128] [--steps 20] [--parallel] [--out runs/scaling] [--json FILE]
+        [--baseline-json FILE] [key=value ...]
 
 --parallel runs several small runs at once on disjoint GPUs (four 1-GPU runs on a 4-GPU machine,
 then two 2-GPU runs): each run has its GPUs to itself, but the runs share the host's CPUs and
@@ -44,9 +45,13 @@ def plan_waves(gpu_counts: list[int], configs: list[str], total_gpus: int, paral
     return waves
 
 
-def add_scaling(rows: list[dict]) -> None:
-    """Scaling efficiency: tokens/s per GPU against the 1-GPU run of the same config."""
-    base = {r["config"]: r["tokens_per_gpu"] for r in rows if r["gpus"] == 1 and "tokens_per_gpu" in r}
+def add_scaling(rows: list[dict], baselines: list[dict] = ()) -> None:
+    """Scaling efficiency: tokens/s per GPU against the 1-GPU run of the same config (from `rows`,
+    else from `baselines`: rows of an earlier invocation, read with --baseline-json)."""
+    base = {}
+    for r in [*baselines, *rows]:  # this invocation's own 1-GPU runs win
+        if r["gpus"] == 1 and "tokens_per_gpu" in r:
+            base[r["config"]] = r["tokens_per_gpu"]
     for r in rows:
         if "tokens_per_gpu" in r and r["config"] in base:
             r["scaling_eff"] = r["tokens_per_gpu"] / base[r["config"]]
@@ -88,6 +93,8 @@ def main() -> int:
     parser.add_argument("--parallel", action="store_true", help="run small runs side by side on disjoint GPUs")
     parser.add_argument("--out", default="runs/scaling")
     parser.add_argument("--json", default="", help="append one JSON line per run to this file")
+    parser.add_argument("--baseline-json", default="",
+                        help="1-GPU rows of an earlier invocation (its --json file) for the scaling column")
     args, overrides = parser.parse_known_args()
     total_gpus = args.total_gpus
     if total_gpus is None:
@@ -100,6 +107,9 @@ def main() -> int:
     configs = args.configs.split(",")
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
+    baselines = []
+    if args.baseline_json:
+        baselines = [json.loads(line) for line in Path(args.baseline_json).read_text().splitlines() if line.strip()]
     rows = []
     print(HEADER, flush=True)
     for wave in plan_waves(gpu_counts, configs, total_gpus, args.parallel):
@@ -120,7 +130,7 @@ def main() -> int:
             if "tokens_per_s" in row:
                 row["tokens_per_gpu"] = row["tokens_per_s"] / run["gpus"]
             rows.append(row)
-        add_scaling(rows)
+        add_scaling(rows, baselines)
         for row in rows[-len(wave):]:
             print(format_row(row), flush=True)
             if args.json:  # row by row: a run cut short by a time limit keeps what finished

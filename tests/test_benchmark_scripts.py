@@ -53,6 +53,11 @@ def test_scaling_efficiency_and_loss_spread():
     assert rows[0]["scaling_eff"] == 1.0 and rows[1]["scaling_eff"] == pytest.approx(0.9)
     assert "scaling_eff" not in rows[2]  # no 1-GPU zero2 run to compare with
     assert loss_spread(rows) == {4: pytest.approx(0.01)}
+    # an earlier invocation's 1-GPU rows fill in the missing baselines; this one's own win
+    earlier = [{"config": "zero2", "gpus": 1, "tokens_per_gpu": 400.0},
+               {"config": "zero1", "gpus": 1, "tokens_per_gpu": 100.0}]
+    add_scaling(rows, earlier)
+    assert rows[2]["scaling_eff"] == pytest.approx(0.95) and rows[1]["scaling_eff"] == pytest.approx(0.9)
 
 
 def test_scaling_script_runs_on_cpu(shards, tmp_path):

@@ -66,8 +66,9 @@ class ModelConfig:
     attention_backend: str = "auto"
     """Attention implementation: auto (picks per device) | math | sdpa | flex | triton (training.model)."""
     compile: bool = True
-    """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves)
-    and with ZeRO 3 (DeepSpeed gathers its parameters in hooks that the compiled graph skips)."""
+    """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
+    with ZeRO 3 only the RMS norms and gated GELUs are compiled (DeepSpeed gathers the parameters in
+    hooks that a compiled forward skips)."""
     init_from: str | None = None
     """Optional weights to start from: a Hugging Face model dir or a nanoT5 state dict (.pt/.bin)."""
 

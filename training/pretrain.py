@@ -25,6 +25,7 @@ import torch
 from training.budget import Horizon, TimeBudget
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.metrics import train_line
+from training.nonfinite_watch import NonfiniteWatch
 from training.run_setup import (
     build_model,
     build_optimizer_and_schedule,
@@ -110,9 +111,10 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         return result
 
     def save_checkpoint() -> None:
+        skips.update(wait=True)  # the last step's outcome belongs in the checkpoint
         rank_state = {"data": train_batches.state_dict(), "rng": capture_rng_state(), "world_size": world_size,
                       "elapsed_s": budget.elapsed_s(), "horizon_steps": horizon.total_steps,
-                      "skipped_steps": skipped_steps}
+                      "skipped_steps": skips.skipped}
         path = ckpt.save(engine, step, rank_state)
         metrics.log("event", {"step": step, "event": "checkpoint", "path": str(path)})
 
@@ -121,8 +123,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     flops_per_step = model_flops_per_step(model_cfg, cfg.optim.batch_size, cfg.data.input_length, target_length)
     peak_tflops = matmul_peak_tflops(device)  # None on CPU: MFU is reported on GPUs only
     exit_code = 0
-    skipped_steps = rank_state.get("skipped_steps", 0) if resume_from is not None else 0
-    consecutive_skips, last_skip_calls = 0, optimizer.skipped_steps + engine.skipped_steps
+    skips = NonfiniteWatch(optimizer, engine,
+                           skipped_before=rank_state.get("skipped_steps", 0) if resume_from is not None else 0)
     window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.perf_counter()
     window_data_wait = 0.0  # seconds spent waiting in next(train_batches) in this logging window
     engine.train()
@@ -150,21 +152,16 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         window_steps += 1
         budget.mark_step(step)
 
-        # A non-finite gradient is caught either by our optimizer's guard or, under ZeRO 1-3 and the
-        # bf16 wrappers, by DeepSpeed before our optimizer runs: watch both counters, count steps.
-        skip_calls = optimizer.skipped_steps + engine.skipped_steps
-        if skip_calls > last_skip_calls:
-            skipped_steps, consecutive_skips = skipped_steps + 1, consecutive_skips + 1
-            logger.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)", step,
-                           consecutive_skips)
-        else:
-            consecutive_skips = 0
-        last_skip_calls = skip_calls
-        if consecutive_skips >= cfg.optim.max_nonfinite_steps:
+        # Non-finite loss or gradient: the update was skipped (by our optimizer or by DeepSpeed's
+        # bf16/fp16 wrappers). adamwscale reports it a step late, which keeps the GPU from waiting.
+        if skips.update():
+            logger.warning("step %d: non-finite loss or gradient, update skipped (%d in a row, %d in all)", step,
+                           skips.in_a_row, skips.skipped)
+        if skips.in_a_row >= cfg.optim.max_nonfinite_steps:
             logger.error("%d updates in a row had a non-finite loss or gradient (%d skipped in all): stopping. "
                          "Lower optim.base_lr, check the data, or resume from an earlier checkpoint.",
-                         consecutive_skips, skipped_steps)
-            metrics.log("event", {"step": step, "event": "nonfinite_stop", "skipped_steps": skipped_steps})
+                         skips.in_a_row, skips.skipped)
+            metrics.log("event", {"step": step, "event": "nonfinite_stop", "skipped_steps": skips.skipped})
             exit_code = EXIT_NONFINITE
             break
 
@@ -180,7 +177,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
                 "seconds_per_step": seconds_per_step, "tokens_per_s": tokens_per_step / seconds_per_step,
                 "mfu": None if peak_tflops is None
                 else flops_per_step / seconds_per_step / (peak_tflops * 1e12 * world_size),
-                "skipped_steps": skipped_steps, "elapsed_s": budget.elapsed_s(),
+                "skipped_steps": skips.skipped, "elapsed_s": budget.elapsed_s(),
                 # seconds per step this rank waited for the loader (0 when it keeps ahead of the GPU)
                 "data_wait_s": window_data_wait / window_steps,
             }

@@ -94,8 +94,8 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
                  world_size: int, device: torch.device):
     """The DeepSpeed engine of a run and where it resumes from: (engine, checkpoint manager, newest
     complete checkpoint or None, the loop's `GradClip` or None: with ZeRO 0 the loop clips the
-    gradients itself, see training/grad_clip.py). Compiles the model when `model.compile` asks for it on a GPU (not
-    under ZeRO 3, whose parameter gathering does not trace), loads
+    gradients itself, see training/grad_clip.py). Compiles the model when `model.compile` asks for it on a GPU (under
+    ZeRO 3, whose parameter gathering does not trace, only its element-wise parts), loads
     universal checkpoints (training/checkpoint_universal.py) as such, binds the optimizer's ZeRO layout.
     Loading the checkpoint itself is left to the caller (it restores its own per-rank state)."""
     import deepspeed
@@ -114,9 +114,11 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
         else:
             # ZeRO 3 gathers each parameter in module hooks that dynamo does not run: through
             # engine.compile() (DeepSpeed 0.19.8, torch 2.11) the traced matmuls see the empty
-            # partitions ("size mismatch, got input (65536x768), vec (0)"). ZeRO 3 runs eager.
-            logger.warning("model.compile is ignored with ZeRO 3 (DeepSpeed's parameter gathering does not "
-                           "trace); the model runs eager")
+            # partitions ("size mismatch, got input (65536x768), vec (0)"). So ZeRO 3 compiles only
+            # the parameter-free element-wise parts (RMS norm, gated GELU); the rest runs eager.
+            model.compile_pointwise()
+            logger.info("ZeRO 3: the model runs eager except its RMS norms and gated GELUs (compiled on "
+                        "their own); the whole forward does not trace under DeepSpeed's parameter gathering")
     ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
     resume_from = ckpt.find_resumable()
     if resume_from is not None and ckpt.read_meta(resume_from).get("universal"):

@@ -33,8 +33,24 @@ class Seq2SeqOutput(NamedTuple):
     logits: torch.Tensor | None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (cast to a half-precision weight's dtype)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        x32 = x32.to(weight.dtype)
+    return weight * x32
+
+
+def gated_gelu(gate: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
+    """T5 v1.1's gated activation: gelu_tanh(gate) * lin."""
+    return F.gelu(gate, approximate="tanh") * lin
+
+
 class T5LayerNorm(nn.Module):
     """RMS norm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32; no bias, no mean subtraction."""
+
+    norm_fn = staticmethod(rms_norm)  # compile_pointwise() sets a compiled copy on the instance
 
     def __init__(self, d_model: int, eps: float) -> None:
         super().__init__()
@@ -42,11 +58,7 @@ class T5LayerNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x32 = x32.to(self.weight.dtype)
-        return self.weight * x32
+        return self.norm_fn(x, self.weight, self.variance_epsilon)
 
 
 class T5Attention(nn.Module):
@@ -105,6 +117,8 @@ class T5Attention(nn.Module):
 class T5DenseGatedActDense(nn.Module):
     """T5 v1.1 FFN: wo(gelu_tanh(wi_0 x) * wi_1 x), wi_0/wi_1 run as one GEMM."""
 
+    act_fn = staticmethod(gated_gelu)  # compile_pointwise() sets a compiled copy on the instance
+
     def __init__(self, config: T5Config) -> None:
         super().__init__()
         self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
@@ -114,7 +128,7 @@ class T5DenseGatedActDense(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, lin = F.linear(x, torch.cat([self.wi_0.weight, self.wi_1.weight])).chunk(2, dim=-1)
-        return self.wo(self.dropout(F.gelu(gate, approximate="tanh") * lin))
+        return self.wo(self.dropout(self.act_fn(gate, lin)))
 
 
 class T5DenseActDense(nn.Module):
@@ -282,6 +296,20 @@ class T5ForConditionalGeneration(nn.Module):
             elif isinstance(m, T5DenseActDense):
                 nn.init.normal_(m.wi.weight, std=f * c.d_model**-0.5)
                 nn.init.normal_(m.wo.weight, std=f * c.d_ff**-0.5)
+
+    def compile_pointwise(self) -> None:
+        """torch.compile the element-wise parts that hold no parameter of their own (RMS norm, the
+        gated GELU), each on its own: one fused kernel forward and one backward instead of eager's
+        five to eight, and fewer fp32 intermediates kept for the backward. For ZeRO 3, where the
+        whole forward cannot be compiled (its parameters are gathered in module hooks); the rest of
+        the model, and the parameter gathering, stay eager. One compiled function serves every layer.
+        """
+        norm, act = torch.compile(rms_norm), torch.compile(gated_gelu)
+        for m in self.modules():
+            if isinstance(m, T5LayerNorm):
+                m.norm_fn = norm
+            elif isinstance(m, T5DenseGatedActDense):
+                m.act_fn = act
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied lm_head counts once)."""

@@ -14,10 +14,17 @@ Reference: nanoT5 `nanoT5/utils/copied_utils.py`, class `AdamWScale` (PiotrNawro
 Two execution paths, both without a per-tensor Python loop on the arithmetic:
 
 - model tensors (plain PyTorch, DeepSpeed ZeRO 0 in fp32/torch_autocast): `torch._foreach_*` over
-  the group's tensors, `_foreach_norm` for the RMS, one host sync to read the per-tensor step sizes;
+  the group's tensors, `_foreach_norm` for the RMS, the per-tensor step sizes as device tensors;
 - DeepSpeed flat partitions with a bound `FlatLayout` (ZeRO 1/2/3, bf16 optimizer): per-segment sums
   of squares with one `segment_reduce`, one all-reduce of the per-tensor sums over the partition
   group, then a per-element step size with `repeat_interleave` over the segments.
+
+Neither path reads a value on the host, so the step never waits for the GPU: the non-finite guard
+is the mixin's deferred one. Its flag `ok` (1.0 or 0.0, on the device) zeroes the gradients of a
+skipped step (non-finite entries included), keeps the moments as they were (decay factors of 1), and
+multiplies the step sizes and the weight decay away; the host learns the outcome at the next step,
+which is also when the step counts of the bias correction advance (only for applied updates). The
+gradients are modified in place: a skipped step leaves them zero.
 """
 
 from __future__ import annotations
@@ -85,34 +92,45 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._guard_allows_step():
-            return loss
+        self.settle()  # the previous step's outcome: exact step counts for this bias correction
 
-        # Pass 1: moments, and the per-tensor RMS inputs. Flat partitions' per-tensor sums of
-        # squares are collected so that one all-reduce per process group serves all of them.
-        tensor_jobs, flat_jobs = [], []
+        groups = []  # (group, params, states) of the groups with gradients
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("AdamWScale does not support sparse gradients")
-            states = [self._state_for(p) for p in params]
-            for s in states:
-                s["step"] += 1
+            groups.append((group, params, [self._state_for(p) for p in params]))
+        if not groups:
+            return loss
+        grads = [p.grad for _, params, _ in groups for p in params]
+        ok = None  # None: no guard, the update is applied
+        if self.skip_nonfinite:
+            ok = self._finite_flag(grads)
+            skip = ok == 0
+            for g in grads:  # one kernel per tensor; torch has no multi-tensor masked fill
+                g.masked_fill_(skip, 0.0)
+
+        # Pass 1: moments, and the per-tensor RMS inputs. Flat partitions' per-tensor sums of
+        # squares are collected so that one all-reduce per process group serves all of them.
+        tensor_jobs, flat_jobs = [], []
+        for group, params, states in groups:
             beta1, beta2 = group["betas"]
             exp_avgs = [s["exp_avg"] for s in states]
             exp_avg_sqs = [s["exp_avg_sq"] for s in states]
             grads = [p.grad for p in params]
-            torch._foreach_mul_(exp_avgs, beta1)
+            # moments *= beta, or *= 1 when the step is skipped (its gradients are zero by now)
+            torch._foreach_mul_(exp_avgs, beta1 if ok is None else torch.where(skip, 1.0, beta1))
             torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_mul_(exp_avg_sqs, beta2 if ok is None else torch.where(skip, 1.0, beta2))
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
             base = []
             for s in states:  # python floats: bias correction per tensor (steps may differ)
+                t = s["step"] + 1  # s["step"] counts the applied updates before this one
                 size = group["lr"]
                 if group["correct_bias"]:
-                    size = size * math.sqrt(1.0 - beta2 ** s["step"]) / (1.0 - beta1 ** s["step"])
+                    size = size * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
                 base.append(size)
             layouts = self._group_layouts(group, params)
             plain = [i for i, lay in enumerate(layouts) if lay is None]
@@ -144,36 +162,76 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
 
         # Pass 2: the updates.
         for group, params, exp_avgs, exp_avg_sqs, base in tensor_jobs:
-            self._update_tensors(group, params, exp_avgs, exp_avg_sqs, base)
+            self._update_tensors(group, params, exp_avgs, exp_avg_sqs, base, ok)
         for group, p, exp_avg, exp_avg_sq, base, lay, sums in flat_jobs:
-            self._update_flat(group, p, exp_avg, exp_avg_sq, base, lay, sums)
+            self._update_flat(group, p, exp_avg, exp_avg_sq, base, lay, sums, ok)
+
+        states = [s for _, _, group_states in groups for s in group_states]
+        if ok is None:
+            for s in states:
+                s["step"] += 1
+        else:
+            self._defer_outcome(ok, states)
         return loss
 
-    @staticmethod
-    def _update_tensors(group: dict, params, exp_avgs, exp_avg_sqs, base: list[float]) -> None:
+    def _numels(self, params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """float32 element counts of `params` on `device`, built once per parameter list (building
+        a CUDA tensor from a Python list waits for the GPU)."""
+        key = (tuple(id(p) for p in params), device)
+        cache = self.__dict__.setdefault("_numel_cache", {})
+        if key not in cache:
+            cache[key] = torch.tensor([float(p.numel()) for p in params], device=device)
+        return cache[key]
+
+    def _update_tensors(self, group: dict, params, exp_avgs, exp_avg_sqs, base: list[float], ok) -> None:
         denoms = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_add_(denoms, group["eps"])
         norms = torch.stack([n.float() for n in torch._foreach_norm(params)])
-        numels = torch.tensor([float(p.numel()) for p in params], device=norms.device)
-        rms = norms / numels.sqrt()
-        sizes = rms.clamp_min(RMS_FLOOR) * torch.tensor(base, device=norms.device, dtype=norms.dtype)
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, (-sizes).tolist())  # one host sync
+        rms = norms / self._numels(params, norms.device).sqrt()
+        sizes = rms.clamp_min(RMS_FLOOR) * _as_factor(base, norms.device)
+        if ok is not None:
+            sizes = sizes * ok  # a skipped step moves nothing
+        # p -= size * m / denom, as p += -1 * m / (denom / size): a zero size makes the quotient
+        # infinite and the change 0 (m is finite: the guard keeps non-finite values out of it).
+        torch._foreach_div_(denoms, list(sizes.unbind()))
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-1.0)
         if group["weight_decay"] > 0.0:
-            torch._foreach_add_(params, params, alpha=-group["lr"] * group["weight_decay"])
+            decay = -group["lr"] * group["weight_decay"]
+            if ok is None:
+                torch._foreach_add_(params, params, alpha=decay)
+            else:  # p += (decay * ok) * p, the factor a device scalar (1 + decay would round it)
+                torch._foreach_addcmul_(params, params, [ok * decay] * len(params))
 
     @staticmethod
-    def _update_flat(group: dict, p, exp_avg, exp_avg_sq, base: float, lay: FlatLayout, sums) -> None:
+    def _update_flat(group: dict, p, exp_avg, exp_avg_sq, base: float, lay: FlatLayout, sums, ok) -> None:
         lengths, seg_to_tensor, numels = lay.device_tensors(p.device)
         rms = (sums / numels).sqrt()
         # padding elements (index n) get step size 0: their grads are 0 anyway, keep them at 0
         scale = torch.cat([rms.clamp_min(RMS_FLOOR) * base, rms.new_zeros(1)])
+        if ok is not None:
+            scale = scale * ok  # a skipped step moves nothing
         per_element = torch.repeat_interleave(scale[seg_to_tensor], lengths, output_size=p.numel())
         update = exp_avg_sq.sqrt().add_(group["eps"])
         torch.div(exp_avg, update, out=update)
         update.mul_(per_element.to(update.dtype))
         p.sub_(update)
         if group["weight_decay"] > 0.0:
-            p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+            decay = -group["lr"] * group["weight_decay"]
+            if ok is None:
+                p.add_(p, alpha=decay)
+            else:
+                p.addcmul_(p, (ok * decay).to(p.dtype))
+
+
+def _as_factor(values: list[float], device: torch.device) -> float | torch.Tensor:
+    """A Python scalar when all `values` are equal (the usual case: one step count per group), else
+    a tensor on `device` copied from pinned memory without waiting for the GPU."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    host = torch.tensor(values, dtype=torch.float32)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _segment_sums(p: torch.Tensor, lay: FlatLayout) -> torch.Tensor:

@@ -5,8 +5,12 @@
 - remembers which tensors it was built with (the model's), so that it can tell when DeepSpeed has
   swapped them for flattened fp32 partitions, and holds the `FlatLayout`s `bind_zero_layout` gives
   it for those partitions;
-- skips the whole update when any gradient on any rank is non-finite (`nonfinite_guard`), keeping
-  the counters `skipped_steps` and `consecutive_skips` for the training loop;
+- skips the whole update when any gradient on any rank is non-finite, keeping the counters
+  `skipped_steps` and `consecutive_skips` for the training loop. Two ways: `_guard_allows_step`
+  reads the flag on the host before the update (one device synchronisation per step: adamw,
+  adafactor); the deferred guard (adamwscale) keeps the flag on the device, turns a skipped update
+  into a zero-size one there, and learns the outcome on the host one step later (`settle`), so the
+  step never waits for the GPU;
 - computes the global L2 norm of the weights it steps (`weight_l2_norm`), all-reducing over the
   partition groups where the parameters are partitioned and not where they are replicated.
 """
@@ -48,8 +52,13 @@ class PartitionAwareMixin:
     def _init_partition_aware(self, skip_nonfinite: bool = True, guard_group: Any = None) -> None:
         self.skip_nonfinite = skip_nonfinite  # check grads for inf/nan before each update
         self.guard_group = guard_group  # process group for the flag all-reduce (None: world)
-        self.skipped_steps = 0  # updates skipped because of a non-finite gradient, since construction
-        self.consecutive_skips = 0  # skipped updates since the last applied one
+        self._skipped_steps = 0  # updates skipped because of a non-finite gradient, since construction
+        self._consecutive_skips = 0  # skipped updates since the last applied one
+        # deferred guard: (flag on the host or a pinned copy on its way, CUDA event or None, the states
+        # whose step count the update advances when it was applied); None when nothing is pending
+        self._pending: tuple[torch.Tensor, Any, list[dict]] | None = None
+        self._flag_host: torch.Tensor | None = None  # reused pinned buffer for the flag
+        self._flag_event: Any = None  # reused CUDA event marking the flag's copy
         self.flat_layouts: dict[int, FlatLayout] = {}  # id(flat partition) -> layout (bind_zero_layout)
         self._original_ids: set[int] = set()  # id() of the tensors the optimizer was built with
         self._original_shapes: dict[int, list[tuple]] = {}  # id(param group dict) -> original shapes
@@ -126,6 +135,7 @@ class PartitionAwareMixin:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch rebuilds the group dicts on load: carry the recorded original shapes over."""
+        self.settle()  # a pending outcome belongs to the state being replaced
         shapes = [self._original_shapes.get(id(g)) for g in self.param_groups]
         super().load_state_dict(state_dict)  # type: ignore[misc]
         for group, recorded in zip(self.param_groups, shapes):
@@ -137,34 +147,97 @@ class PartitionAwareMixin:
         self._original_shapes[id(group)] = [tuple(p.shape) for p in group["params"]]
 
     # ---- non-finite guard --------------------------------------------------------------------
-    def _grads_finite_everywhere(self) -> bool:
-        """True when every gradient on every rank of the guard group is finite. One collective."""
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+    def _finite_flag(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """float32 0-d tensor: 1.0 when every gradient on every rank of the guard group is finite,
+        else 0.0. On the gradients' device; one all-reduce when several ranks. No host read."""
         world = distributed_world(self.guard_group)
-        device = collective_device(self.guard_group) if world > 1 else (grads[0].device if grads else "cpu")
+        home = grads[0].device if grads else torch.device("cpu")
+        device = collective_device(self.guard_group) if world > 1 else home
         ok = torch.ones((), dtype=torch.float32, device=device)
         if grads:
             maxabs = torch._foreach_norm(grads, ord=math.inf)  # inf for inf, nan for nan
             ok = torch.stack([m.float().to(device) for m in maxabs]).isfinite().all().float()
         if world > 1:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.guard_group)
-        return bool(ok.item())
+        return ok.to(home)
+
+    def _grads_finite_everywhere(self) -> bool:
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return bool(self._finite_flag(grads).item())
 
     def _guard_allows_step(self) -> bool:
+        """The synchronous guard: True when the update may run (reads the flag on the host)."""
         if not self.skip_nonfinite:
             return True
-        if self._grads_finite_everywhere():
-            self.consecutive_skips = 0
-            return True
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
+        applied = self._grads_finite_everywhere()
+        self._record_outcome(applied)
+        return applied
+
+    def _record_outcome(self, applied: bool) -> None:
+        if applied:
+            self._consecutive_skips = 0
+            return
+        self._skipped_steps += 1
+        self._consecutive_skips += 1
         logger.warning(
             "%s: non-finite gradient on some rank, update skipped (%d skipped in total, %d in a row)",
             type(self).__name__,
-            self.skipped_steps,
-            self.consecutive_skips,
+            self._skipped_steps,
+            self._consecutive_skips,
         )
-        return False
+
+    def _defer_outcome(self, ok: torch.Tensor, states: list[dict]) -> None:
+        """The deferred guard: remember this step's flag; `settle` reads it later. On CUDA the flag
+        is copied to pinned host memory behind an event, so reading it does not stall the stream."""
+        self.settle()
+        if ok.device.type == "cuda":
+            if self._flag_host is None:
+                self._flag_host = torch.empty((), dtype=torch.float32, pin_memory=True)
+                self._flag_event = torch.cuda.Event()
+            self._flag_host.copy_(ok, non_blocking=True)
+            self._flag_event.record()
+            self._pending = (self._flag_host, self._flag_event, states)
+        else:
+            self._pending = (ok, None, states)
+
+    def settle(self) -> None:
+        """Fold the pending step's outcome into the counters and step counts (waits for that flag
+        only; by the next step the GPU has long finished computing it)."""
+        if self._pending is None:
+            return
+        flag, event, states = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        applied = bool(flag.item())
+        if applied:
+            for state in states:
+                state["step"] += 1
+        self._record_outcome(applied)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped for a non-finite gradient since construction (settles the last step)."""
+        self.settle()
+        return self._skipped_steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Skipped updates since the last applied one (settles the last step)."""
+        self.settle()
+        return self._consecutive_skips
+
+    def skip_counters(self, wait: bool = True) -> tuple[int, int]:
+        """(skipped_steps, consecutive_skips). wait=False does not wait for the last step's flag: with
+        the deferred guard the counters then cover the steps before it (what a training loop reads
+        every step without synchronising with the GPU)."""
+        if wait:
+            self.settle()
+        return self._skipped_steps, self._consecutive_skips
+
+    def state_dict(self) -> dict:
+        self.settle()  # the step counts of a pending update belong in the saved state
+        return super().state_dict()  # type: ignore[misc]
 
     # ---- weight norm for logging -------------------------------------------------------------
     @torch.no_grad()
