@@ -254,7 +254,7 @@ def test_same_shaped_copies_still_accepted_after_load_state_dict():
 
 
 def _padded_flat(tensors, pad: int) -> torch.Tensor:
-    return torch.cat([t for x in tensors for t in (x.detach().reshape(-1), torch.zeros(pad))])
+    return torch.cat([t for x in tensors for t in (x.detach().reshape(-1), x.new_zeros(pad))])
 
 
 def _bind_padded_flat(opt, pad: int) -> list:
@@ -325,23 +325,27 @@ def test_flat_layout_validates():
         FlatLayout([3, 1], [0], [3], ["x"])
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("flat", [False, True], ids=["tensors", "flat"])
-def test_adamwscale_skipped_step_leaves_no_trace(flat, bad):
+def test_adamwscale_skipped_step_leaves_no_trace(flat, bad, device):
     """Steps (g1, g2 with one non-finite entry, g3) end exactly where (g1, g3) does: weights, both
     moments and the step counts of the bias correction; the deferred guard reports the skip a step
     late unless asked to wait."""
 
     def run(grad_seeds):
         torch.manual_seed(0)
-        model = Toy()
+        model = Toy().to(device)
         opt = build_optimizer("adamwscale", model, lr=2e-2, weight_decay=0.1)
         params = [p for group in opt.param_groups for p in group["params"]]
         sizes = [len(group["params"]) for group in opt.param_groups]
         layouts = _bind_padded_flat(opt, pad=2) if flat else None
         for seed in grad_seeds:
             g = torch.Generator().manual_seed(abs(seed))
-            grads = [torch.randn(p.shape, generator=g) for p in params]
+            grads = [torch.randn(p.shape, generator=g).to(device) for p in params]
             if seed < 0:  # the bad step
                 grads[1].view(-1)[3] = bad
             if flat:
