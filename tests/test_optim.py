@@ -384,3 +384,34 @@ def test_adamwscale_state_dict_settles_a_pending_skip():
     state = opt.state_dict()
     assert [s["step"] for s in state["state"].values()] == [1, 1]
     assert opt.skip_counters(wait=False) == (1, 1)
+
+
+def test_adamwscale_called_per_group_as_zero_does_waits_for_no_earlier_group():
+    """DeepSpeed ZeRO 1-3 call step() once per parameter group in a row (the others hidden): the
+    second call must not wait for the first's flag, and the result equals one call for both."""
+
+    def run(per_group: bool):
+        torch.manual_seed(0)
+        model = Toy()
+        opt = build_optimizer("adamwscale", model, lr=2e-2, weight_decay=0.1)
+        assert len(opt.param_groups) == 2
+        _train(model, opt, steps=2)  # state exists from here on
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            if per_group:
+                groups = opt.param_groups
+                for group in groups:
+                    opt.param_groups = [group]
+                    opt.step()
+                opt.param_groups = groups
+                assert len(opt._pending) == 2  # neither call waited for the other's outcome
+            else:
+                opt.step()
+        opt.settle()
+        return [p.detach().clone() for p in model.parameters()], [s["step"] for s in opt.state.values()]
+
+    (w_split, steps_split), (w_one, steps_one) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(w_split, w_one))
+    assert steps_split == steps_one == [5] * len(steps_one)

@@ -92,8 +92,6 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.settle()  # the previous step's outcome: exact step counts for this bias correction
-
         groups = []  # (group, params, states) of the groups with gradients
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -102,12 +100,17 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("AdamWScale does not support sparse gradients")
             groups.append((group, params, [self._state_for(p) for p in params]))
-        if not groups:
-            return loss
+        states = [s for _, _, group_states in groups for s in group_states]
         grads = [p.grad for _, params, _ in groups for p in params]
         ok = None  # None: no guard, the update is applied
         if self.skip_nonfinite:
-            ok = self._finite_flag(grads)
+            ok = self._finite_flag(grads)  # a collective: every rank calls it, with gradients or not
+        self._settle_before(states)  # an earlier outcome for these tensors: exact step counts now
+        if not groups:
+            if ok is not None:
+                self._defer_outcome(ok, [])
+            return loss
+        if ok is not None:
             skip = ok == 0
             for g in grads:  # one kernel per tensor; torch has no multi-tensor masked fill
                 g.masked_fill_(skip, 0.0)
@@ -115,10 +118,10 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         # Pass 1: moments, and the per-tensor RMS inputs. Flat partitions' per-tensor sums of
         # squares are collected so that one all-reduce per process group serves all of them.
         tensor_jobs, flat_jobs = [], []
-        for group, params, states in groups:
+        for group, params, group_states in groups:
             beta1, beta2 = group["betas"]
-            exp_avgs = [s["exp_avg"] for s in states]
-            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            exp_avgs = [s["exp_avg"] for s in group_states]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in group_states]
             grads = [p.grad for p in params]
             # moments *= beta, or *= 1 when the step is skipped (its gradients are zero by now)
             torch._foreach_mul_(exp_avgs, beta1 if ok is None else torch.where(skip, 1.0, beta1))
@@ -126,7 +129,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
             torch._foreach_mul_(exp_avg_sqs, beta2 if ok is None else torch.where(skip, 1.0, beta2))
             torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
             base = []
-            for s in states:  # python floats: bias correction per tensor (steps may differ)
+            for s in group_states:  # python floats: bias correction per tensor (steps may differ)
                 t = s["step"] + 1  # s["step"] counts the applied updates before this one
                 size = group["lr"]
                 if group["correct_bias"]:
@@ -166,7 +169,6 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         for group, p, exp_avg, exp_avg_sq, base, lay, sums in flat_jobs:
             self._update_flat(group, p, exp_avg, exp_avg_sq, base, lay, sums, ok)
 
-        states = [s for _, _, group_states in groups for s in group_states]
         if ok is None:
             for s in states:
                 s["step"] += 1

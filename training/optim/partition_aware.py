@@ -54,11 +54,9 @@ class PartitionAwareMixin:
         self.guard_group = guard_group  # process group for the flag all-reduce (None: world)
         self._skipped_steps = 0  # updates skipped because of a non-finite gradient, since construction
         self._consecutive_skips = 0  # skipped updates since the last applied one
-        # deferred guard: (flag on the host or a pinned copy on its way, CUDA event or None, the states
-        # whose step count the update advances when it was applied); None when nothing is pending
-        self._pending: tuple[torch.Tensor, Any, list[dict]] | None = None
-        self._flag_host: torch.Tensor | None = None  # reused pinned buffer for the flag
-        self._flag_event: Any = None  # reused CUDA event marking the flag's copy
+        # deferred guard, oldest first: (flag on the host or a pinned copy on its way, CUDA event or
+        # None, the states whose step count the update advances when it was applied)
+        self._pending: list[tuple[torch.Tensor, Any, list[dict]]] = []
         self.flat_layouts: dict[int, FlatLayout] = {}  # id(flat partition) -> layout (bind_zero_layout)
         self._original_ids: set[int] = set()  # id() of the tensors the optimizer was built with
         self._original_shapes: dict[int, list[tuple]] = {}  # id(param group dict) -> original shapes
@@ -189,31 +187,35 @@ class PartitionAwareMixin:
     def _defer_outcome(self, ok: torch.Tensor, states: list[dict]) -> None:
         """The deferred guard: remember this step's flag; `settle` reads it later. On CUDA the flag
         is copied to pinned host memory behind an event, so reading it does not stall the stream."""
-        self.settle()
         if ok.device.type == "cuda":
-            if self._flag_host is None:
-                self._flag_host = torch.empty((), dtype=torch.float32, pin_memory=True)
-                self._flag_event = torch.cuda.Event()
-            self._flag_host.copy_(ok, non_blocking=True)
-            self._flag_event.record()
-            self._pending = (self._flag_host, self._flag_event, states)
+            host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            host.copy_(ok, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((host, event, states))
         else:
-            self._pending = (ok, None, states)
+            self._pending.append((ok, None, states))
+
+    def _settle_before(self, states: list[dict]) -> None:
+        """Settle when a pending update covers one of `states` (their step counts must be exact
+        before the next bias correction). DeepSpeed ZeRO 1-3 call `step()` once per parameter group
+        in a row: a group's call does not wait for the flag of the group just before it."""
+        ids = {id(s) for s in states}
+        if any(id(s) in ids for _, _, pending_states in self._pending for s in pending_states):
+            self.settle()
 
     def settle(self) -> None:
-        """Fold the pending step's outcome into the counters and step counts (waits for that flag
-        only; by the next step the GPU has long finished computing it)."""
-        if self._pending is None:
-            return
-        flag, event, states = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()
-        applied = bool(flag.item())
-        if applied:
-            for state in states:
-                state["step"] += 1
-        self._record_outcome(applied)
+        """Fold the pending outcomes into the counters and step counts (waits for those flags only;
+        by the next training step the GPU has long finished computing them)."""
+        pending, self._pending = self._pending, []
+        for flag, event, states in pending:
+            if event is not None:
+                event.synchronize()
+            applied = bool(flag.item())
+            if applied:
+                for state in states:
+                    state["step"] += 1
+            self._record_outcome(applied)
 
     @property
     def skipped_steps(self) -> int:
