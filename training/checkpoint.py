@@ -255,6 +255,10 @@ class CheckpointManager:
     def read_meta(self, path: Path) -> dict[str, Any]:
         return json.loads((Path(path) / META_NAME).read_text())
 
+    def is_universal(self, path: Path) -> bool:
+        """Written by training/checkpoint_universal.py: loadable on any ZeRO stage and world size."""
+        return bool(self.read_meta(path).get("universal"))
+
     def find_resumable(self) -> Path | None:
         """Newest complete checkpoint, or None. Broken/partial ones are logged and skipped, not deleted.
 
@@ -332,7 +336,7 @@ class CheckpointManager:
             raise RuntimeError(f"cannot load checkpoint {path}: {'; '.join(found)}")
         meta = self.read_meta(path)
         saved_world, saved_stage = int(meta["world_size"]), int(meta.get("zero_stage", 0))
-        if saved_world != self.world_size and saved_stage >= 1 and not meta.get("universal"):
+        if saved_world != self.world_size and saved_stage >= 1 and not self.is_universal(path):
             raise RuntimeError(
                 f"checkpoint {path} was written by {saved_world} ranks with ZeRO stage {saved_stage}, and "
                 f"this run has {self.world_size}: DeepSpeed cannot re-partition ZeRO optimizer state "

@@ -39,10 +39,6 @@ logger = logging.getLogger(__name__)
 RUN_FILES = ("config.yaml", "model_config.json")
 
 
-def is_universal(meta: dict) -> bool:
-    return bool(meta.get("universal"))
-
-
 def _make_loadable_by_zero3(universal_dir: Path) -> None:
     """ds_to_universal (DeepSpeed 0.19) writes what ZeRO 1/2 engines read; a ZeRO 3 engine also looks for
     its module-state file under the stage-3 name and for the optimizer's step and hyper-parameters
@@ -71,7 +67,7 @@ def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoin
     if problems:
         raise RuntimeError(f"cannot convert {src}: {'; '.join(problems)}")
     meta = source.read_meta(src)
-    if is_universal(meta):
+    if source.is_universal(src):
         raise ValueError(f"{src} is already a universal checkpoint: resume from it directly")
     dest_root = new_run_dir / "checkpoints"
     if dest_root.exists() and any(dest_root.iterdir()):

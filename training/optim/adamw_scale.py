@@ -76,6 +76,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias)
         super().__init__(params, defaults)
         self._init_partition_aware(skip_nonfinite, guard_group)
+        self._numel_cache: dict[tuple, torch.Tensor] = {}  # (param ids, device) -> element counts
         self.needs_tensor_layout = unbound_flat_params == "error"
 
     def _state_for(self, p: torch.Tensor) -> dict:
@@ -180,10 +181,9 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         """float32 element counts of `params` on `device`, built once per parameter list (building
         a CUDA tensor from a Python list waits for the GPU)."""
         key = (tuple(id(p) for p in params), device)
-        cache = self.__dict__.setdefault("_numel_cache", {})
-        if key not in cache:
-            cache[key] = torch.tensor([float(p.numel()) for p in params], device=device)
-        return cache[key]
+        if key not in self._numel_cache:
+            self._numel_cache[key] = torch.tensor([float(p.numel()) for p in params], device=device)
+        return self._numel_cache[key]
 
     def _update_tensors(self, group: dict, params, exp_avgs, exp_avg_sqs, base: list[float], ok) -> None:
         denoms = torch._foreach_sqrt(exp_avg_sqs)
