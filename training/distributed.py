@@ -106,6 +106,16 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
 
 
+def shutdown_distributed() -> None:
+    """Destroy the process groups (the control group too). A process that leaves them to the
+    interpreter's exit can abort there after its work is done ("terminate called without an active
+    exception", seen with gloo), which the launcher reports as a failed run."""
+    global _control_group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _control_group = None
+
+
 def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)  # float64: counts stay exact
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -199,8 +199,10 @@ def launch(entry, argv: list[str] | None, *, doc: str, default_config: str, root
     """
     import argparse
 
+    import torch.distributed as dist
+
     from training.config import load_run_config
-    from training.distributed import init_distributed
+    from training.distributed import init_distributed, shutdown_distributed
     from training.metrics import setup_logging
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,11 +214,15 @@ def launch(entry, argv: list[str] | None, *, doc: str, default_config: str, root
     parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. optim.base_lr=1e-2")
     args = parser.parse_args(argv)
     cfg = load_run_config(args.config, args.overrides, root=root)
+    owns_process_group = not dist.is_initialized()
     dist_info = init_distributed(cfg.device)
     setup_logging(dist_info.rank)
     try:
-        return entry(cfg, args.deepspeed_config, dist_info)
+        exit_code = entry(cfg, args.deepspeed_config, dist_info)
     except Exception:
         # The launcher (deepspeed, torchrun, srun) ends the other ranks when one exits non-zero.
         logger.exception("%s failed on rank %d", entry.__name__, dist_info.rank)
         raise
+    if owns_process_group:
+        shutdown_distributed()
+    return exit_code
