@@ -3,11 +3,14 @@
 # fits a 10-minute slot; the second reuses the shards and the compile cache of the first when $WORK
 # survives between them, and makes its own otherwise).
 #
-#   bash benchmarks/multi_gpu.sh scaling   # shard; weak scaling on 1 and 2 GPUs x ZeRO 0-3 (T5 base)
+#   bash benchmarks/multi_gpu.sh scaling   # shard; weak scaling on 1 and 2 GPUs x ZeRO 0-3 (T5 base;
+#                                          # GPUS and CONFIGS pick other GPU counts and stages)
 #   bash benchmarks/multi_gpu.sh scaling4  # the same on 4 GPUs (CONFIGS4, default all four stages),
 #                                          # efficiency against the 1-GPU rows of `scaling`
 #   bash benchmarks/multi_gpu.sh large     # ZeRO 2 on 4 GPUs resumed as ZeRO 3 on 2; XL and XXL on
-#                                          # 4 GPUs with ZeRO 3 (LARGE, default "reshard xl xxl")
+#                                          # 4 GPUs with ZeRO 3 (LARGE, default "reshard xl xxl"; XL_BATCH,
+#                                          # XXL_BATCH: sequences per GPU, the next one tried if a
+#                                          # run fails; XXL_STEPS, XXL_LR)
 #
 # Environment: WIKI (jsonl.gz text, default .gpudata/wiki/*.jsonl.gz), WORK (shards, runs and the
 # compile cache, default ${TMPDIR:-/tmp}/t5ds_bench: outside the checkout, which a lent GPU machine
@@ -37,7 +40,7 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 case $part in
 scaling)
   # Four 1-GPU runs side by side (the baselines of every efficiency), then two 2-GPU runs at a time.
-  timeout "$(left)" python benchmarks/scaling.py --data "$DATA" --gpus 1,2 --configs zero0,zero1,zero2,zero3 \
+  timeout "$(left)" python benchmarks/scaling.py --data "$DATA" --gpus "${GPUS:-1,2}" --configs "${CONFIGS:-zero0,zero1,zero2,zero3}" \
     --steps 20 --log-every 5 --parallel --out "$WORK/runs/scaling" --json "$OUT/scaling.jsonl" \
     data.num_workers=4 | tee "$OUT/scaling.txt"
   tar czf "$OUT/scaling_logs.tgz" "$WORK"/runs/scaling/*.log "$WORK"/runs/scaling/*/metrics.jsonl 2>/dev/null
@@ -57,18 +60,22 @@ large)
       timeout "$(( $(left) < 200 ? $(left) : 200 ))" python benchmarks/reshard_resume.py --data "$DATA" \
         --source zero2:4 --target zero3:2 --steps 20 --batch 128 --out "$WORK/runs/reshard" data.num_workers=4 \
         | tee "$OUT/reshard.txt" ;;
-    xl)  # T5 v1.1 XL, ZeRO 3 (RMS norms and gated GELUs compiled, the rest eager), 4 GPUs, XL_BATCH per GPU.
+    xl)  # T5 v1.1 XL, ZeRO 3 (T5 blocks compiled one by one: model.zero3_compile=blocks), 4 GPUs.
       timeout "$(( $(left) < 240 ? $(left) : 240 ))" python benchmarks/scaling.py --data "$DATA" \
         --config training/configs/t5_xl_c4.yaml --gpus 4 --configs zero3 --per-gpu-batch "${XL_BATCH:-64}" \
         --steps 15 --log-every 5 --out "$WORK/runs/xl" --json "$OUT/large.jsonl" data.num_workers=4 | tee "$OUT/xl.txt" ;;
-    xxl)  # T5 v1.1 XXL, ZeRO 3, 4 GPUs, 4 sequences per GPU (16 ran out of memory).
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left)" python benchmarks/scaling.py --data "$DATA" \
-        --config training/configs/t5_xxl_c4.yaml --gpus 4 --configs zero3 --per-gpu-batch 4 --steps "${XXL_STEPS:-8}" \
-        --log-every 2 --out "$WORK/runs/xxl" --json "$OUT/large.jsonl" data.num_workers=4 | tee "$OUT/xxl.txt" ;;
+    xxl)  # T5 v1.1 XXL, ZeRO 3, 4 GPUs: 8 sequences per GPU, 4 if 8 fails (16 ran out of memory eager).
+      for batch in ${XXL_BATCH:-8 4}; do
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left)" python benchmarks/scaling.py --data "$DATA" \
+          --config training/configs/t5_xxl_c4.yaml --gpus 4 --configs zero3 --per-gpu-batch "$batch" \
+          --steps "${XXL_STEPS:-40}" --log-every 2 --out "$WORK/runs/xxl_$batch" --json "$OUT/large.jsonl" \
+          data.num_workers=4 ${XXL_LR:+optim.base_lr=$XXL_LR} | tee -a "$OUT/xxl.txt"
+        [ "${PIPESTATUS[0]}" = 0 ] && break
+      done ;;
     *) echo "unknown job $job in LARGE: reshard, xl, xxl" >&2; exit 2 ;;
     esac
   done
-  tar czf "$OUT/large_logs.tgz" "$WORK"/runs/reshard/*.log "$WORK"/runs/xl/*.log "$WORK"/runs/xxl/*.log \
+  tar czf "$OUT/large_logs.tgz" "$WORK"/runs/reshard/*.log "$WORK"/runs/xl/*.log "$WORK"/runs/xxl_*/*.log \
     "$WORK"/runs/*/*/metrics.jsonl 2>/dev/null
   ;;
 *)

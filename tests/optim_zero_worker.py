@@ -122,6 +122,12 @@ def run_case(
 
     model, model_kind = make_model()
     w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = ds_config(stage, world, bf16)
+    torch._dynamo.utils.counters.clear()  # cases run one after another in this process
+    if name.endswith("_blocks"):  # ZeRO 3 with leaf T5 blocks, each compiled (aot_eager: eager numerics)
+        from training.zero3_compile import prepare_for_zero3
+
+        prepare_for_zero3(model, "blocks", config, backend="aot_eager")
     opt = build_optimizer(
         "adamwscale",
         model,
@@ -130,7 +136,8 @@ def run_case(
         eps=1e-6,
         unbound_flat_params="error" if bind else "treat_as_tensor",
     )
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, world, bf16))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    linear_replaced = torch.nn.functional.linear.__name__ == "zero3_linear_wrap"
     n_bound = bind_zero_layout(engine) if bind else 0
     layouts = list(opt.flat_layouts.values())
     split_mid_tensor = False
@@ -190,6 +197,8 @@ def run_case(
             mapping_error=mapping_error,
             skipped=opt.skipped_steps,
             engine_skipped=engine.skipped_steps,
+            linear_replaced=linear_replaced,
+            compiled_graphs=int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
         ),
         os.path.join(out_dir, f"{name}.rank{rank}.pt"),
     )
@@ -254,6 +263,7 @@ def main() -> None:
         "zero2_round_robin": (2, "round_robin", True),
         "zero2_resume": (2, False, True),
         "zero3_resume": (3, False, True),
+        "zero3_blocks": (3, False, True),
         "zero1_naive": (1, False, False),
         "zero2_naive": (2, False, False),
         "zero3_naive": (3, False, False),

@@ -180,6 +180,7 @@ def test_unknown_key_in_yaml_is_an_error(tmp_path):
         ("precision=fp16", "bf16, fp32"),
         ("device=tpu", "auto, cuda, cpu"),
         ("model.preset=huge", "tiny, small, base, large, xl, xxl"),
+        ("model.zero3_compile=all", "blocks, pointwise"),
         ("optim.name=sgd", "adamwscale"),
         ("optim.lr_scheduler=step", "cosine"),
         ("logging.wandb=yes", "offline"),
@@ -299,8 +300,10 @@ def test_every_field_is_documented():
 
 def test_choices_match_the_model_package():
     from training.model.config import ATTENTION_BACKENDS, T5Config
+    from training.zero3_compile import ZERO3_COMPILE_MODES
 
     assert config_module.ATTENTION_BACKENDS == ATTENTION_BACKENDS
+    assert config_module.ZERO3_COMPILE_MODES == ZERO3_COMPILE_MODES
     for preset in config_module.MODEL_PRESETS:
         T5Config.from_preset(preset)  # every preset the run config accepts exists
     with pytest.raises(ConfigError, match="sdpa"):

@@ -27,6 +27,7 @@ TWO_RANK_CASES = [
     "zero3_resume",
     "zero2",
     "zero3",
+    "zero3_blocks",
     "zero1_naive",
     "zero2_naive",
     "zero3_naive",
@@ -107,7 +108,7 @@ def _max_rel_diff(weights: dict, ref: dict) -> float:
     return worst
 
 
-@pytest.mark.parametrize("stage", ["1", "2", "3", "2_round_robin", "2_resume", "3_resume"])
+@pytest.mark.parametrize("stage", ["1", "2", "3", "2_round_robin", "2_resume", "3_resume", "3_blocks"])
 def test_zero_stage_matches_single_rank_zero0(runs, stage):
     ref = _load(runs, "zero0")
     assert ref["n_bound"] == 0  # fp32 ZeRO 0: DeepSpeed steps the model's own tensors
@@ -120,6 +121,13 @@ def test_zero_stage_matches_single_rank_zero0(runs, stage):
             assert d["split_mid_tensor"], "partitions must cut tensors mid-way"
         assert d["mapping_error"] == 0.0
         assert _max_rel_diff(d["weights"], ref["weights"]) < TOL
+        if stage == "3_blocks":  # training.zero3_compile: the blocks ran as graphs (encoder, decoder),
+            assert d["compiled_graphs"] >= 2  # with torch's own F.linear (DeepSpeed's reads ds_id: a
+            assert not d["linear_replaced"]  # recompile per block on the GPU)
+        else:
+            assert d["compiled_graphs"] == 0
+            if stage == "3":  # DeepSpeed's own default, which the blocks case must undo
+                assert d["linear_replaced"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

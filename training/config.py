@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 # fails at config load, before any process group or model is built.
 MODEL_PRESETS = ("tiny", "small", "base", "large", "xl", "xxl")
 ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton")
+ZERO3_COMPILE_MODES = ("blocks", "pointwise")  # training.zero3_compile
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adamwscale", "adamw", "adafactor")
@@ -67,8 +68,11 @@ class ModelConfig:
     """Attention implementation: auto (picks per device) | math | sdpa | flex | triton (training.model)."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
-    with ZeRO 3 only the RMS norms and gated GELUs are compiled (DeepSpeed gathers the parameters in
-    hooks that a compiled forward skips)."""
+    under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
+    hooks that a whole compiled forward would skip)."""
+    zero3_compile: str = "blocks"
+    """What `compile` compiles under ZeRO 3: blocks (each T5 block one graph, its parameters gathered
+    in one all-gather) | pointwise (only the RMS norms and gated GELUs). training/zero3_compile.py."""
     init_from: str | None = None
     """Optional weights to start from: a Hugging Face model dir or a nanoT5 state dict (.pt/.bin)."""
 
@@ -79,6 +83,7 @@ class ModelConfig:
             f"model.dropout_rate={self.dropout_rate} must be in [0, 1); 0.0 is the pre-training default",
         )
         _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("model.zero3_compile", self.zero3_compile, ZERO3_COMPILE_MODES)
         _check(
             self.init_from is None or bool(self.init_from),
             "model.init_from must be a path or null",

@@ -95,7 +95,7 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     """The DeepSpeed engine of a run and where it resumes from: (engine, checkpoint manager, newest
     complete checkpoint or None, the loop's `GradClip` or None: with ZeRO 0 the loop clips the
     gradients itself, see training/grad_clip.py). Compiles the model when `model.compile` asks for it on a GPU (under
-    ZeRO 3, whose parameter gathering does not trace, only its element-wise parts), loads
+    ZeRO 3 as `model.zero3_compile` says: its parameter gathering does not trace), loads
     universal checkpoints (training/checkpoint_universal.py) as such, binds the optimizer's ZeRO layout.
     Loading the checkpoint itself is left to the caller (it restores its own per-rank state)."""
     import deepspeed
@@ -104,6 +104,7 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     from training.ds_config import zero_stage as ds_zero_stage
     from training.grad_clip import loop_clip
     from training.optim import bind_zero_layout
+    from training.zero3_compile import prepare_for_zero3
 
     zero_stage = ds_zero_stage(ds_config)
     if cfg.model.compile and device.type == "cuda":
@@ -112,13 +113,9 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
             # slowdown); DeepSpeed's module hooks stay outside it. Parameter names are unchanged.
             model.forward = torch.compile(model.forward, fullgraph=True)
         else:
-            # ZeRO 3 gathers each parameter in module hooks that dynamo does not run: through
-            # engine.compile() (DeepSpeed 0.19.8, torch 2.11) the traced matmuls see the empty
-            # partitions ("size mismatch, got input (65536x768), vec (0)"). So ZeRO 3 compiles only
-            # the parameter-free element-wise parts (RMS norm, gated GELU); the rest runs eager.
-            model.compile_pointwise()
-            logger.info("ZeRO 3: the model runs eager except its RMS norms and gated GELUs (compiled on "
-                        "their own); the whole forward does not trace under DeepSpeed's parameter gathering")
+            # ZeRO 3 gathers parameters in module hooks that a whole compiled forward would skip:
+            # compile block by block, or only the element-wise parts (training/zero3_compile.py).
+            prepare_for_zero3(model, cfg.model.zero3_compile, ds_config)
     ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
     resume_from = ckpt.find_resumable()
     if resume_from is not None and ckpt.is_universal(resume_from):

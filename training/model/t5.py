@@ -300,9 +300,9 @@ class T5ForConditionalGeneration(nn.Module):
     def compile_pointwise(self) -> None:
         """torch.compile the element-wise parts that hold no parameter of their own (RMS norm, the
         gated GELU), each on its own: one fused kernel forward and one backward instead of eager's
-        five to eight, and fewer fp32 intermediates kept for the backward. For ZeRO 3, where the
-        whole forward cannot be compiled (its parameters are gathered in module hooks); the rest of
-        the model, and the parameter gathering, stay eager. One compiled function serves every layer.
+        five to eight, and fewer fp32 intermediates kept for the backward. ZeRO 3's
+        `model.zero3_compile=pointwise` (training/zero3_compile.py): the rest of the model, and the
+        parameter gathering, stay eager. One compiled function serves every layer.
         """
         norm, act = torch.compile(rms_norm), torch.compile(gated_gelu)
         for m in self.modules():
