@@ -41,14 +41,14 @@ def _env_int(name: str, default: int) -> int:
 
 
 # Tile sizes (benchmarked on H100, d_kv 64); env overrides exist for tuning runs only.
-FWD_BLOCK_M = _env_int("T5DS_ATTN_FWD_BM", 128)
+FWD_BLOCK_M = _env_int("T5DS_ATTN_FWD_BM", 64)
 FWD_BLOCK_N = _env_int("T5DS_ATTN_FWD_BN", 64)
 FWD_WARPS = _env_int("T5DS_ATTN_FWD_WARPS", 4)
 FWD_STAGES = _env_int("T5DS_ATTN_FWD_STAGES", 3)
 BWD_BLOCK_M = _env_int("T5DS_ATTN_BWD_BM", 64)
 BWD_BLOCK_N = _env_int("T5DS_ATTN_BWD_BN", 64)
 BWD_WARPS = _env_int("T5DS_ATTN_BWD_WARPS", 4)
-BWD_STAGES = _env_int("T5DS_ATTN_BWD_STAGES", 2)
+BWD_STAGES = _env_int("T5DS_ATTN_BWD_STAGES", 3)
 DBIAS_BLOCK_M = _env_int("T5DS_ATTN_DBIAS_BM", 64)
 DBIAS_BLOCK_N = _env_int("T5DS_ATTN_DBIAS_BN", 64)
 DBIAS_WARPS = _env_int("T5DS_ATTN_DBIAS_WARPS", 4)
