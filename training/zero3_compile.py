@@ -56,6 +56,11 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
     if original_linear is not None:  # an earlier engine in this process replaced F.linear: undo it
         torch.nn.functional.linear = original_linear
     set_z3_leaf_modules(model, [T5Block])
+    # Every block shares one code object (T5Block.forward), so dynamo's recompile limit counts the
+    # variants of all of them together: {encoder, decoder} x {train, no_grad} x {with, without key
+    # mask} x {static, dynamic lengths} = 16 at most. 32 leaves room and still stops a per-block
+    # recompile (48 blocks in XL) early, as the ds_id guard above would have caused.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     norm = torch.compile(rms_norm, backend=backend)
     compiled = 0
     for stack in (model.encoder, model.decoder):
