@@ -66,8 +66,7 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
     for stack in (model.encoder, model.decoder):
         # The stack computes its relative bias from block 0's table before any block runs; block 0 is
         # a leaf now (no hook on the table's own module), so the stack's hook gathers the table.
-        table = stack.block[0].layer[0].SelfAttention.relative_attention_bias
-        register_external_parameter(stack, table.weight)
+        register_external_parameter(stack, stack.bias_table.weight)
         stack.final_layer_norm.norm_fn = norm
         for block in stack.block:
             block.forward = _compiled_block_forward(block, backend)

@@ -224,6 +224,11 @@ class T5Stack(nn.Module):
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
+    @property
+    def bias_table(self) -> nn.Embedding:
+        """The stack's (num_buckets, heads) relative bias table; it lives in block 0 (HF layout)."""
+        return self.block[0].layer[0].SelfAttention.relative_attention_bias
+
     def position_bias(self, q_len: int, k_len: int, q_offset: int, device: torch.device) -> torch.Tensor:
         """(heads, q_len, k_len) fp32 learned bias; queries sit at positions q_offset .. q_offset+q_len-1."""
         q_pos = torch.arange(q_offset, q_offset + q_len, device=device)
@@ -234,8 +239,7 @@ class T5Stack(nn.Module):
             num_buckets=self.config.relative_attention_num_buckets,
             max_distance=self.config.relative_attention_max_distance,
         )
-        table = self.block[0].layer[0].SelfAttention.relative_attention_bias
-        return table(buckets).permute(2, 0, 1).float()
+        return self.bias_table(buckets).permute(2, 0, 1).float()
 
     def forward(
         self,
