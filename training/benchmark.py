@@ -11,7 +11,8 @@ back to back on the host clock, as a training loop runs them (compare it with th
     python -m training.benchmark --variants "triton;sdpa;triton,nocompile;triton,bs=256"
 
 A variant is a comma list of: an attention backend (triton|sdpa|flex|math), compile|nocompile,
-fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode). Each variant prints one table row; --json
+fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), and dbiaskernel (the fused kernel's bias
+gradient from its separate dbias kernel instead of the dS that the dQ kernel writes). Each variant prints one table row; --json
 appends one JSON object per variant to a file.
 """
 
@@ -43,7 +44,7 @@ def build_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
-        mode=args.compile_mode,
+        mode=args.compile_mode, dbias_from_ds=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "sdpa", "flex", "math"):
@@ -56,12 +57,24 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["batch_size"] = int(item[3:])
         elif item.startswith("mode="):
             variant["mode"] = item[5:]
+        elif item == "dbiaskernel":
+            variant["dbias_from_ds"] = False
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    from training.model import triton_attention
+
+    triton_attention.DBIAS_FROM_DS = variant["dbias_from_ds"]
+    try:
+        return _run_variant(variant, args, device)
+    finally:
+        triton_attention.DBIAS_FROM_DS = True
+
+
+def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
     config = T5Config.from_preset(args.preset, attention_backend=variant["attention"])
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config).to(device)
@@ -150,88 +163,44 @@ def _time_cuda(fn, iters: int) -> float:
 def attention_microbenchmark(
     batch_size: int, seq: int, heads: int = 12, d_kv: int = 64, iters: int = 20
 ) -> None:
-    """Time one encoder self-attention (bias + its gradient) per backend, and sweep the kernel tiles."""
+    """Time one encoder self-attention (bias + its gradient) per backend and bias path, from a packed
+    (batch, seq, 3 * heads * d_kv) projection output as the model runs it."""
     from training.model import triton_attention as ta
-    from training.model.attention import attention
+    from training.model.attention import packed_attention
 
     device = torch.device("cuda")
-    q, k, v = (
-        torch.randn(batch_size, seq, heads, d_kv, device=device, dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
+    qkv = torch.randn(
+        batch_size, seq, 3 * heads * d_kv, device=device, dtype=torch.bfloat16, requires_grad=True
     )
-    bias = torch.randn(heads, seq, seq, device=device, requires_grad=True)
-    dout = torch.randn_like(q)
+    dense = torch.randn(heads, seq, seq, device=device, requires_grad=True)
+    dout = torch.randn(batch_size, seq, heads * d_kv, device=device, dtype=torch.bfloat16)
     flops = 4 * batch_size * heads * seq * seq * d_kv  # forward QK^T + PV; backward is 2.5x (recomputes QK^T)
-
-    def report(name: str, fwd_s: float, total_s: float) -> None:
-        print(f"# {name}: fwd {fwd_s * 1e3:.2f} ms ({flops / fwd_s / 1e12:.0f} TFLOP/s), "
-              f"bwd {(total_s - fwd_s) * 1e3:.2f} ms ({2.5 * flops / (total_s - fwd_s) / 1e12:.0f} TFLOP/s)",
-              flush=True)  # fmt: skip
-
-    for backend in ("sdpa", "triton"):
+    cases = [  # (name, backend, bias, dbias from the dQ kernel's dS)
+        ("sdpa, dense bf16 bias", "sdpa", dense, True),
+        ("triton, dbias kernel", "triton", dense, False),
+        ("triton, dbias from dS (default)", "triton", dense, True),
+        ("triton, no bias", "triton", None, True),
+    ]
+    for name, backend, bias, from_ds in cases:
+        ta.DBIAS_FROM_DS = from_ds
         try:
             with torch.no_grad():
-                fwd = _time_cuda(lambda b=backend: attention(q, k, v, bias, None, False, b), iters)
+                fwd = _time_cuda(
+                    lambda b=backend, x=bias: packed_attention(qkv, None, heads, x, None, False, b), iters
+                )
             total = _time_cuda(
-                lambda b=backend: torch.autograd.backward(attention(q, k, v, bias, None, False, b), dout),
+                lambda b=backend, x=bias: torch.autograd.backward(
+                    packed_attention(qkv, None, heads, x, None, False, b), dout
+                ),
                 iters,
             )
-            report(f"{backend} b{batch_size} s{seq}", fwd, total)
+            bwd = total - fwd
+            print(f"# {name} b{batch_size} s{seq}: fwd {fwd * 1e3:.2f} ms ({flops / fwd / 1e12:.0f} TFLOP/s), "
+                  f"bwd {bwd * 1e3:.2f} ms ({2.5 * flops / bwd / 1e12:.0f} TFLOP/s)", flush=True)  # fmt: skip
         except Exception as e:  # noqa: BLE001
-            print(f"# attention {backend}: {type(e).__name__}: {str(e)[:200]}")
-    defaults = {n: getattr(ta, n) for n in dir(ta) if n.startswith(("FWD_", "BWD_"))}
-    fwd_configs = [
-        (128, 64, 4, 3),
-        (128, 64, 8, 3),
-        (64, 64, 4, 3),
-        (128, 128, 8, 3),
-        (128, 32, 4, 4),
-        (64, 32, 4, 4),
-    ]
-    for bm, bn, w, st in fwd_configs:
-        ta.FWD_BLOCK_M, ta.FWD_BLOCK_N, ta.FWD_WARPS, ta.FWD_STAGES = bm, bn, w, st
-        with torch.no_grad():
-            fwd = _time_cuda(lambda: attention(q, k, v, bias, None, False, "triton"), iters)
-        print(f"# fwd tiles bm{bm} bn{bn} w{w} s{st}: {fwd * 1e3:.2f} ms ({flops / fwd / 1e12:.0f} TFLOP/s)")
-    for name, value in defaults.items():
-        setattr(ta, name, value)
-    with torch.no_grad():
-        fwd = _time_cuda(lambda: attention(q, k, v, bias, None, False, "triton"), iters)
-    bwd_configs = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2), (128, 128, 8, 2)]
-    for bm, bn, w, st in bwd_configs:  # dK/dV and dQ kernels
-        ta.BWD_BLOCK_M, ta.BWD_BLOCK_N, ta.BWD_WARPS, ta.BWD_STAGES = bm, bn, w, st
-        try:
-            total = _time_cuda(
-                lambda: torch.autograd.backward(attention(q, k, v, None, None, False, "triton"), dout), iters
-            )
-            report(f"bwd (no bias) tiles bm{bm} bn{bn} w{w} s{st}", fwd, total)
-        except Exception as e:  # noqa: BLE001
-            print(f"# bwd tiles {bm},{bn},{w},{st}: {type(e).__name__}: {str(e)[:200]}")
-    for name, value in defaults.items():
-        setattr(ta, name, value)
-    dbias_configs = [
-        (64, 64, 4, 2),
-        (64, 64, 4, 3),
-        (128, 64, 8, 2),
-        (64, 128, 8, 2),
-        (128, 128, 8, 2),
-        (32, 64, 4, 2),
-    ]
-    for bm, bn, w, st in dbias_configs:
-        ta.DBIAS_BLOCK_M, ta.DBIAS_BLOCK_N, ta.DBIAS_WARPS, ta.DBIAS_STAGES = bm, bn, w, st
-        try:
-            total = _time_cuda(
-                lambda: torch.autograd.backward(attention(q, k, v, bias, None, False, "triton"), dout), iters
-            )
-            report(f"bwd (bias) dbias tiles bm{bm} bn{bn} w{w} s{st}", fwd, total)
-        except Exception as e:  # noqa: BLE001
-            print(f"# dbias tiles {bm},{bn},{w},{st}: {type(e).__name__}: {str(e)[:200]}")
-    for name, value in defaults.items():
-        setattr(ta, name, value)
-    nobias = _time_cuda(
-        lambda: torch.autograd.backward(attention(q, k, v, None, None, False, "triton"), dout), iters
-    )
-    report("triton without bias", fwd, nobias)
+            print(f"# {name}: {type(e).__name__}: {str(e)[:200]}")
+        finally:
+            ta.DBIAS_FROM_DS = True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
             r = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
         v = variant
-        head = f"| {v['attention']} | {'yes' + (' ' + v['mode'] if v['mode'] else '') if v['compile'] else 'no'} | "
+        head = f"| {v['attention']}{'' if v['dbias_from_ds'] else ' (dbias kernel)'} | {'yes' + (' ' + v['mode'] if v['mode'] else '') if v['compile'] else 'no'} | "
         head += f"{'yes' if v['fused_ce'] else 'no'} | {v['batch_size']} |"
         if "error" in r:
             print(f"{head} {r['error']} | | | | {r.get('peak_gib', 0):.1f} | | |", flush=True)

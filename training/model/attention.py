@@ -1,10 +1,17 @@
 """T5 attention kernels: relative position buckets and the attention backends.
 
 T5 attention is softmax(Q K^T + B + M) V with no 1/sqrt(d_kv) scaling, where B is the learned
-relative position bias (heads, q_len, k_len), shared by every sequence in the batch and every layer
-of a stack, and M masks padded keys (and future keys in the decoder). Layout used throughout:
-q (batch, q_len, heads, d_kv), k/v (batch, k_len, heads, d_kv), i.e. the projection output viewed,
-never transposed, so the fused kernel reads it with strides.
+relative position bias, shared by every sequence in the batch and every layer of a stack, and M
+masks padded keys (and future keys in the decoder). Layout used throughout: q (batch, q_len, heads,
+d_kv), k/v (batch, k_len, heads, d_kv), i.e. the projection output viewed, never transposed, so the
+fused kernel reads it with strides.
+
+A bias is either dense, (heads, q_len, k_len), or relative, (heads, q_len + k_len - 1) with
+B[h, i, j] = rel[h, j - i + q_len - 1]: T5's bias depends only on key - query, so the model passes
+the relative form (1023 values per head at 512 x 512 instead of 262,144, gathered from the bucket
+table once per stack); `dense_bias` expands it (one gather per stack and step) for the backends
+that read a dense bias: math, sdpa and the fused kernel (which measured faster reading the dense
+tile than gathering from the relative row). FlexAttention reads the relative row directly.
 
 Backends (`T5Config.attention_backend`):
 - "math": explicit fp32-softmax scores, the numerics of HF's eager T5 (used on CPU and for tests);
@@ -64,6 +71,34 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "math"
 
 
+def dense_bias(bias: torch.Tensor | None, q_len: int, k_len: int) -> torch.Tensor | None:
+    """(heads, q_len, k_len) bias from a dense one (returned as is) or a relative one (expanded)."""
+    if bias is None or bias.dim() == 3:
+        return bias
+    if bias.shape[-1] != q_len + k_len - 1:
+        raise ValueError(f"relative bias of length {bias.shape[-1]} for {q_len} queries x {k_len} keys; "
+                         f"expected q_len + k_len - 1 = {q_len + k_len - 1}")  # fmt: skip
+    offsets = (
+        torch.arange(k_len, device=bias.device)[None, :] - torch.arange(q_len, device=bias.device)[:, None]
+    )
+    return bias[:, offsets + (q_len - 1)]
+
+
+def _choose_backend(
+    backend: str, device: torch.device, causal: bool, q_len: int, k_len: int, dropout_p: float
+) -> str:
+    """The backend that actually runs: fallbacks for dropout, CPU training with flex, cached decoding."""
+    backend = resolve_backend(backend, device)
+    is_cuda = device.type == "cuda"
+    if dropout_p > 0.0 and backend in ("triton", "flex"):
+        backend = "sdpa" if is_cuda else "math"
+    if backend == "flex" and not is_cuda and torch.is_grad_enabled():
+        backend = "math"  # FlexAttention has no backward on CPU (torch 2.13)
+    if backend in ("triton", "flex") and causal and q_len != k_len:
+        backend = "sdpa"  # incremental decoding with a cache: tiny, not worth a fused kernel
+    return backend
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,26 +111,58 @@ def attention(
 ) -> torch.Tensor:
     """softmax(q k^T + bias + mask) v for q (b, sq, h, d), k/v (b, sk, h, d) -> (b, sq, h, d).
 
-    bias: (h, sq, sk) float or None (cross-attention). key_mask: (b, sk) bool, True = real token, or
-    None (all real). causal: query i sees keys j <= i + (sk - sq) (the offset covers a key/value cache).
-    dropout_p applies to the attention probabilities (only the math/sdpa paths support it).
+    bias: dense (h, sq, sk) or relative (h, sq + sk - 1) float (module docstring), or None
+    (cross-attention). key_mask: (b, sk) bool, True = real token, or None (all real). causal: query
+    i sees keys j <= i + (sk - sq) (the offset covers a key/value cache). dropout_p applies to the
+    attention probabilities (only the math/sdpa paths support it).
     """
-    backend = resolve_backend(backend, q.device)
-    if dropout_p > 0.0 and backend in ("triton", "flex"):
-        backend = "sdpa" if q.is_cuda else "math"
-    if backend == "flex" and not q.is_cuda and torch.is_grad_enabled():
-        backend = "math"  # FlexAttention has no backward on CPU (torch 2.13)
-    if backend in ("triton", "flex") and causal and q.shape[1] != k.shape[1]:
-        backend = "sdpa"  # incremental decoding with a cache: tiny, not worth a fused kernel
+    sq, sk = q.shape[1], k.shape[1]
+    backend = _choose_backend(backend, q.device, causal, sq, sk, dropout_p)
+    if backend == "flex":
+        return _flex_attention(q, k, v, bias, key_mask, causal)
+    bias = dense_bias(bias, sq, sk)
+    if backend == "triton":
+        return triton_attention.t5_flash_attention(q, k, v, bias, key_mask, causal)
     if backend == "math":
         return _math_attention(q, k, v, bias, key_mask, causal, dropout_p)
     if backend == "sdpa":
         return _sdpa_attention(q, k, v, bias, key_mask, causal, dropout_p)
-    if backend == "flex":
-        return _flex_attention(q, k, v, bias, key_mask, causal)
-    if backend == "triton":
-        return triton_attention.t5_flash_attention(q, k, v, bias, key_mask, causal)
     raise ValueError(f"unknown attention backend {backend!r}")
+
+
+def packed_attention(
+    q_src: torch.Tensor,
+    kv_src: torch.Tensor | None,
+    heads: int,
+    bias: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+    backend: str,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """`attention` on the fused projection outputs, (b, sq, heads * d) out.
+
+    Self-attention: q_src (b, s, 3 * heads * d) = [q | k | v], kv_src None. Cross-attention: q_src
+    (b, sq, heads * d), kv_src (b, sk, 2 * heads * d) = [k | v]. The fused kernel reads the sources
+    with strides and its backward writes each source's gradient as one tensor; other backends get
+    q/k/v views.
+    """
+    b, sq, width = q_src.shape
+    if kv_src is None:
+        kv_src, hd, k_at = q_src, width // 3, width // 3
+    else:
+        hd, k_at = width, 0
+    sk = kv_src.shape[1]
+    chosen = _choose_backend(backend, q_src.device, causal, sq, sk, dropout_p)
+    if chosen == "triton":
+        kv = None if kv_src is q_src else kv_src
+        return triton_attention.t5_flash_attention_packed(
+            q_src, kv, heads, dense_bias(bias, sq, sk), key_mask, causal
+        )
+    q = q_src[..., :hd].unflatten(-1, (heads, hd // heads))
+    k = kv_src[..., k_at : k_at + hd].unflatten(-1, (heads, hd // heads))
+    v = kv_src[..., k_at + hd : k_at + 2 * hd].unflatten(-1, (heads, hd // heads))
+    return attention(q, k, v, bias, key_mask, causal, chosen, dropout_p).flatten(2)
 
 
 def _allowed_mask(
@@ -157,7 +224,9 @@ def _flex_attention(q, k, v, bias, key_mask, causal):
     neg = torch.finfo(torch.float32).min
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if bias is not None:
+        if bias is not None and bias.dim() == 2:  # relative: rel[h, j - i + sq - 1]
+            score = score + bias[h, kv_idx - q_idx + (sq - 1)]
+        elif bias is not None:
             score = score + bias[h, q_idx, kv_idx]
         if key_mask is not None:
             score = torch.where(key_mask[b, kv_idx], score, neg)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.model.attention import attention, relative_position_bucket
+from training.model.attention import attention, packed_attention, relative_position_bucket
 from training.model.config import T5Config
 from training.model.cross_entropy import fused_linear_cross_entropy
 
@@ -92,24 +92,32 @@ class T5Attention(nn.Module):
     ) -> torch.Tensor:
         b, sq, _ = x.shape
         heads = (self.n_heads, self.d_kv)
-        if kv_input is None:  # self-attention: one GEMM for q, k and v
+        dropout_p = self.dropout_rate if self.training else 0.0
+        if cache is None:  # training / scoring: attention reads the fused projection outputs as they are
+            if kv_input is None:  # self-attention: one GEMM for q, k and v
+                q_src, kv_src = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight])), None
+            else:  # cross-attention: one GEMM for the encoder output's k and v
+                q_src, kv_src = self.q(x), F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
+            out = packed_attention(
+                q_src, kv_src, self.n_heads, bias, key_mask, causal, self.backend, dropout_p
+            )
+            return self.o(out)
+        # Incremental decoding: keys/values are appended to (self) or read from (cross) the cache.
+        if kv_input is None:
             qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]))
             q, k, v = (t.view(b, sq, *heads) for t in qkv.chunk(3, dim=-1))
-            if cache is not None:  # incremental decoding: append to the past keys/values
-                if f"{cache_prefix}_k" in cache:
-                    k = torch.cat([cache[f"{cache_prefix}_k"], k], dim=1)
-                    v = torch.cat([cache[f"{cache_prefix}_v"], v], dim=1)
-                cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
-        else:  # cross-attention: keys/values from the encoder output (computed once when caching)
+            if f"{cache_prefix}_k" in cache:
+                k = torch.cat([cache[f"{cache_prefix}_k"], k], dim=1)
+                v = torch.cat([cache[f"{cache_prefix}_v"], v], dim=1)
+            cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
+        else:  # cross-attention: encoder-output keys/values computed once
             q = self.q(x).view(b, sq, *heads)
-            if cache is not None and f"{cache_prefix}_k" in cache:
+            if f"{cache_prefix}_k" in cache:
                 k, v = cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"]
             else:
                 kv = F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
                 k, v = (t.view(b, kv_input.shape[1], *heads) for t in kv.chunk(2, dim=-1))
-                if cache is not None:
-                    cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
-        dropout_p = self.dropout_rate if self.training else 0.0
+                cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
         out = attention(q, k, v, bias, key_mask, causal, self.backend, dropout_p)
         return self.o(out.reshape(b, sq, self.n_heads * self.d_kv))
 
@@ -230,16 +238,17 @@ class T5Stack(nn.Module):
         return self.block[0].layer[0].SelfAttention.relative_attention_bias
 
     def position_bias(self, q_len: int, k_len: int, q_offset: int, device: torch.device) -> torch.Tensor:
-        """(heads, q_len, k_len) fp32 learned bias; queries sit at positions q_offset .. q_offset+q_len-1."""
-        q_pos = torch.arange(q_offset, q_offset + q_len, device=device)
-        rel = torch.arange(k_len, device=device)[None, :] - q_pos[:, None]  # key - query
+        """The learned bias in relative form, (heads, q_len + k_len - 1) fp32: entry t is the bias of
+        every (query i, key j) with j - i = t - (q_len - 1) (`attention.dense_bias` expands it).
+        Queries sit at positions q_offset .. q_offset + q_len - 1, keys at 0 .. k_len - 1."""
+        rel = torch.arange(-(q_len - 1), k_len, device=device) - q_offset  # key position - query position
         buckets = relative_position_bucket(
             rel,
             bidirectional=not self.is_decoder,
             num_buckets=self.config.relative_attention_num_buckets,
             max_distance=self.config.relative_attention_max_distance,
         )
-        return self.bias_table(buckets).permute(2, 0, 1).float()
+        return self.bias_table(buckets).t().float()
 
     def forward(
         self,

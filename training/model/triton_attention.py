@@ -1,21 +1,29 @@
 """Fused T5 attention in Triton: flash attention with the shared relative bias and its gradient.
 
 Computes out = softmax(q k^T + bias + key_mask [+ causal]) v without ever holding the
-(batch, heads, q, k) scores, and in the backward pass the bias gradient
-dbias[h, i, j] = sum_b dS[b, h, i, j] without materialising dS for the whole batch.
+(batch, heads, q, k) scores in fp32, and in the backward pass the bias gradient
+dbias[h, i, j] = sum_b dS[b, h, i, j].
 
-Layout: q (B, Sq, H, D), k/v (B, Sk, H, D) read through strides (views of the fused projection
-output), bias (H, Sq, Sk) fp32, key_mask (B, Sk) bool. No 1/sqrt(D) scaling (T5). Masked scores
-get -1e30 (like HF's dtype minimum: a fully masked row averages every key instead of giving NaN).
+Layout: the kernels read the fused projection outputs as the model produces them ("packed
+sources"): self-attention q_src (B, S, 3 H D) = [q | k | v], cross-attention q_src (B, Sq, H D) and
+kv_src (B, Sk, 2 H D) = [k | v], through strides and column offsets. The backward writes the
+gradient of each source as one buffer, so autograd has no dq/dk/dv concatenation to do. Every
+tensor a kernel writes is allocated in the op and passed whole: a kernel never writes through a view
+(inductor's functionalisation may hand a written view over as a copy). Bias (H, Sq, Sk) fp32,
+key_mask (B, Sk) bool. No 1/sqrt(D) scaling (T5). Masked scores get -1e30 (like HF's dtype
+minimum: a fully masked row averages every key instead of giving NaN).
 
-Kernels (FlashAttention-2 structure, exp2 online softmax, fp32 accumulation):
-- `_fwd_kernel`: grid (q blocks, B*H); writes out and the row log-sum-exp (base 2).
+Kernels (FlashAttention-2 structure, exp2 online softmax, fp32 accumulation); per-score work is kept
+small (scale and bias as one FMA on a bias pre-multiplied by log2(e), bounds masks only on partial
+tiles, the masked-score guard on dS only with masks), since on an H100 at d_kv 64 the element-wise
+work, not the tensor cores, bounds these kernels:
+- `_fwd_kernel`: grid (q blocks, B*H); writes out and the row max / inverse sum (base 2).
 - `_bwd_dkdv_kernel`: grid (k blocks, B*H); dK, dV of one key block, walking the query blocks.
-- `_bwd_dq_kernel`: grid (q blocks, B*H); recomputes P and accumulates dQ.
-- `_bwd_dbias_kernel`: grid (q blocks, k blocks, H); recomputes P and dO V^T for every batch element
-  of its tile and sums dS over the batch in registers: the bias gradient costs one extra pass of two
-  small GEMMs, no (B, H, Sq, Sk) buffer and no atomics. (An earlier version read-modified-wrote a
-  per-group fp32 buffer from the dK/dV kernel: 2.5 ms of the 4.4 ms backward per layer on H100.)
+- `_bwd_dq_kernel`: grid (q blocks, B*H); recomputes P and accumulates dQ; with a bias it also
+  stores dS (B, H, Sq, Sk) in the input dtype, and torch sums it over the batch (`DBIAS_FROM_DS`).
+- `_bwd_dbias_kernel` (`DBIAS_FROM_DS = False`): grid (q blocks, k blocks, H); recomputes P and
+  dO V^T for every batch element of its tile and sums dS in registers (no buffer, two extra small
+  GEMMs per tile and batch element).
 
 Wrapped with `torch.library.triton_op` so torch.compile traces it without graph breaks.
 """
@@ -28,7 +36,6 @@ import os
 import torch
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-_MASKED = -1.0e30
 
 
 def available() -> bool:
@@ -66,49 +73,67 @@ if _HAS_TRITON:
         return tl.dot(a, b)
 
     @triton.jit
-    def _scores(q, kt, BIAS, KMASK, b, h, offs_m, offs_n, SQ, SK, CAUSAL_OFFSET,
-                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-        """(BM, BN) fp32 scores in base-2 units: (q k^T + bias, masked) * log2(e)."""
-        s = _dot(q, kt, IEEE)
-        in_k = offs_n[None, :] < SK
+    def _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS: tl.constexpr):
+        """(BM, BN) fp32 tile of the (H, SQ, SK) bias, already in base-2 units (the host multiplies it
+        by log2(e)). The bias is shared by the batch: the tile comes from L2. (A relative bias, one
+        (H, SQ + SK - 1) row per head gathered in the kernel, measured slower: see docs/model.md.)"""
         if HAS_BIAS:
-            in_q = offs_m[:, None] < SQ
-            s += tl.load(BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], mask=in_q & in_k, other=0.0)
+            inside = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
+            return tl.load(BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], mask=inside, other=0.0)
+        else:
+            return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
+
+    @triton.jit
+    def _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS: tl.constexpr,
+                HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+        """(BM, BN) fp32 scores in base-2 units, (q k^T + bias) * log2(e), masked. Every element-wise
+        op here runs per score: the scale and the bias are one FMA, the masks only when needed."""
+        if HAS_BIAS:
+            s = _dot(q, kt, IEEE) * 1.4426950408889634 + bias
+        else:
+            s = _dot(q, kt, IEEE) * 1.4426950408889634
         if HAS_MASK:
             km = tl.load(KMASK + b * SK + offs_n, mask=offs_n < SK, other=0)
             s = tl.where(km[None, :] != 0, s, -1.0e30)
         if CAUSAL:
             s = tl.where(offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET, s, -1.0e30)
-        s = tl.where(in_k, s, float("-inf"))
-        return s * 1.4426950408889634
+        if not EVEN_N:  # keys past SK (the last, partial key block)
+            s = tl.where(offs_n[None, :] < SK, s, float("-inf"))
+        return s
 
     @triton.jit
-    def _load_rows(PTR, b, h, offs_m, sb, ss, sh, SQ, D: tl.constexpr):
-        """(BM, D) tile of a (B, S, H, D) strided tensor; zeros past SQ."""
+    def _load_rows(PTR, b, h, offs_m, sb, ss, SQ, D: tl.constexpr, EVEN: tl.constexpr):
+        """(BM, D) tile of head h of a (B, S, ..., H * D ...) row-major source; zeros past SQ."""
         offs_d = tl.arange(0, D)
-        return tl.load(PTR + b * sb + h * sh + offs_m[:, None] * ss + offs_d[None, :], mask=offs_m[:, None] < SQ,
-                       other=0.0)
+        ptrs = PTR + b * sb + h * D + offs_m[:, None] * ss + offs_d[None, :]
+        if EVEN:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=offs_m[:, None] < SQ, other=0.0)
 
     @triton.jit
-    def _load_cols(PTR, b, h, offs_n, sb, ss, sh, SK, D: tl.constexpr):
-        """(D, BN) transposed tile of a (B, S, H, D) strided tensor; zeros past SK."""
+    def _load_cols(PTR, b, h, offs_n, sb, ss, SK, D: tl.constexpr, EVEN: tl.constexpr):
+        """(D, BN) transposed tile of head h of a row-major source; zeros past SK."""
         offs_d = tl.arange(0, D)
-        return tl.load(PTR + b * sb + h * sh + offs_n[None, :] * ss + offs_d[:, None], mask=offs_n[None, :] < SK,
-                       other=0.0)
+        ptrs = PTR + b * sb + h * D + offs_n[None, :] * ss + offs_d[:, None]
+        if EVEN:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=offs_n[None, :] < SK, other=0.0)
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, BIAS, KMASK, OUT, LSE,
-                    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
+    def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OFF, V_OFF,
                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                    IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
-        q = _load_rows(Q, b, h, offs_m, sqb, sqs, sqh, SQ, D)
+        q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -117,54 +142,60 @@ if _HAS_TRITON:
             end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
         for start_n in range(0, end_n, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load_cols(K, b, h, offs_n, skb, sks, skh, SK, D)
-            s = _scores(q, kt, BIAS, KMASK, b, h, offs_m, offs_n, SQ, SK, CAUSAL_OFFSET,
-                        HAS_BIAS, HAS_MASK, CAUSAL, IEEE)
+            kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+            bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS)
+            s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
+                        EVEN_N, IEEE)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_rows(V, b, h, offs_n, svb, svs, svh, SK, D)
+            v = _load_rows(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
             m_i = m_new
         acc = acc / l_i[:, None]
-        tl.store(OUT + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], acc.to(OUT.dtype.element_ty),
+        tl.store(OUT + b * sob + h * D + offs_m[:, None] * sos + offs_d[None, :], acc.to(OUT.dtype.element_ty),
                  mask=offs_m[:, None] < SQ)
         # Row max (base 2) and 1/sum kept apart: m + log2(l) would lose log2(l) on rows with no visible key.
         tl.store(LSE + bh * SQ + offs_m, m_i, mask=offs_m < SQ)
         tl.store(LSE + LSE_STRIDE + bh * SQ + offs_m, 1.0 / l_i, mask=offs_m < SQ)
 
     @triton.jit
-    def _probs_and_dscores(q, kt, vt, do, BIAS, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+    def _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                            CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                           CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                           CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
         """P and dS = P * (dO V^T - delta) of one (BM, BN) tile; both 0 on masked entries and rows past SQ."""
         in_m = offs_m < SQ
         row_max = tl.load(LSE + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
         inv_sum = tl.load(LSE + LSE_STRIDE + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
         delta = tl.load(DELTA + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
-        s = _scores(q, kt, BIAS, KMASK, b, h, offs_m, offs_n, SQ, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL, IEEE)
+        s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
+                    EVEN_N, IEEE)
         p = tl.exp2(s - row_max[:, None]) * inv_sum[:, None]
         dp = _dot(do, vt, IEEE)
-        # Masked scores are constants: no gradient (matters only for rows with no visible key).
-        ds = tl.where(s > -1.0e29, p * (dp - delta[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_MASK or CAUSAL:
+            # Masked scores are constants: no gradient. Only a row with no visible key has P > 0 there.
+            ds = tl.where(s > -1.0e29, ds, 0.0)
         return p, ds
 
     @triton.jit
-    def _bwd_dkdv_kernel(Q, K, V, BIAS, KMASK, DO, LSE, DELTA, DK, DV,
-                         sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdkb, sdks, sdkh,
+    def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV,
+                         sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
                          H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                         HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                         IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """dK, dV of one key block of one (batch, head): walks all query blocks."""
+                         HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                         CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+        """dK, dV of one key block of one (batch, head): walks all query blocks. Both land in DKV, laid
+        out like KV (k at K_OFF, v at V_OFF): a packed source gets its gradient as one buffer."""
         pid_n = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
-        kt = _load_cols(K, b, h, offs_n, skb, sks, skh, SK, D)
-        vt = _load_cols(V, b, h, offs_n, svb, svs, svh, SK, D)
+        kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+        vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
         start_m = 0
@@ -172,53 +203,62 @@ if _HAS_TRITON:
             start_m = tl.maximum(pid_n * BLOCK_N - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M
         for sm in range(start_m, SQ, BLOCK_M):
             offs_m = sm + tl.arange(0, BLOCK_M)
-            q = _load_rows(Q, b, h, offs_m, sqb, sqs, sqh, SQ, D)
-            do = _load_rows(DO, b, h, offs_m, sdob, sdos, sdoh, SQ, D)
-            p, ds = _probs_and_dscores(q, kt, vt, do, BIAS, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
-                                       CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, IEEE)
+            q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
+            do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
+            bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS)
+            p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+                                       CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
             dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
             dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
         mask = offs_n[:, None] < SK
-        ptrs = b * sdkb + h * sdkh + offs_n[:, None] * sdks + offs_d[None, :]
-        tl.store(DK + ptrs, dk.to(DK.dtype.element_ty), mask=mask)
-        tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+        ptrs = b * sdkb + h * D + offs_n[:, None] * sdks + offs_d[None, :]
+        tl.store(DKV + K_OFF + ptrs, dk.to(DKV.dtype.element_ty), mask=mask)
+        tl.store(DKV + V_OFF + ptrs, dv.to(DKV.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bwd_dq_kernel(Q, K, V, BIAS, KMASK, DO, LSE, DELTA, DQ,
-                       sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh, sdqb, sdqs, sdqh,
+    def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
+                       sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
                        H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                       HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """dQ of one query block of one (batch, head): walks all key blocks."""
+                       HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, WRITE_DS: tl.constexpr, D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+        """dQ of one query block of one (batch, head): walks all key blocks. WRITE_DS: also stores
+        dS (B, H, SQ, SK) in the input dtype, which the bias gradient then sums over the batch."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
-        q = _load_rows(Q, b, h, offs_m, sqb, sqs, sqh, SQ, D)
-        do = _load_rows(DO, b, h, offs_m, sdob, sdos, sdoh, SQ, D)
+        q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
+        do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
         dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         end_n = SK
         if CAUSAL:
             end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
         for start_n in range(0, end_n, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load_cols(K, b, h, offs_n, skb, sks, skh, SK, D)
-            vt = _load_cols(V, b, h, offs_n, svb, svs, svh, SK, D)
-            p, ds = _probs_and_dscores(q, kt, vt, do, BIAS, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
-                                       CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, IEEE)
+            kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+            vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+            bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS)
+            p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+                                       CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
+            if WRITE_DS:
+                tl.store(DS + bh * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds.to(DS.dtype.element_ty),
+                         mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
             dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
-        tl.store(DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+        tl.store(DQ + b * sdqb + h * D + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=offs_m[:, None] < SQ)
 
     @triton.jit
-    def _bwd_dbias_kernel(Q, K, V, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
-                          sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdob, sdos, sdoh,
+    def _bwd_dbias_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
+                          sqb, sqs, skb, sks, sdob, sdos, K_OFF, V_OFF,
                           B, H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
                           HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """dbias[h, tile] = sum over the batch of dS, reduced in registers (recomputes P and dO V^T)."""
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
+                          EVEN_N: tl.constexpr):
+        """dbias[h, tile] = sum over the batch of dS, reduced in registers (recomputes P and dO V^T).
+        """
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         h = tl.program_id(2)
@@ -229,149 +269,245 @@ if _HAS_TRITON:
         if CAUSAL:  # tiles wholly above the diagonal have no gradient
             visible = pid_n * BLOCK_N <= pid_m * BLOCK_M + BLOCK_M - 1 + CAUSAL_OFFSET
         if visible:
+            bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, True)  # the same for every b
             for b in range(0, B):
-                q = _load_rows(Q, b, h, offs_m, sqb, sqs, sqh, SQ, D)
-                do = _load_rows(DO, b, h, offs_m, sdob, sdos, sdoh, SQ, D)
-                kt = _load_cols(K, b, h, offs_n, skb, sks, skh, SK, D)
-                vt = _load_cols(V, b, h, offs_n, svb, svs, svh, SK, D)
-                p, ds = _probs_and_dscores(q, kt, vt, do, BIAS, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ,
-                                           SK, CAUSAL_OFFSET, LSE_STRIDE, True, HAS_MASK, CAUSAL, IEEE)
+                q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
+                do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
+                kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+                vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+                p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ,
+                                           SK, CAUSAL_OFFSET, LSE_STRIDE, True, HAS_MASK, CAUSAL, EVEN_N, IEEE)
                 acc += ds
         tl.store(DBIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], acc,
                  mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
     # fmt: on
 
 
-def _flags(q: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor) -> tuple[bool, bool, bool]:
-    return bias.numel() > 0, key_mask.numel() > 0, q.dtype == torch.float32
+def _flags(q_src: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor) -> dict:
+    return dict(
+        HAS_BIAS=bias.numel() > 0, HAS_MASK=key_mask.numel() > 0,
+        IEEE=q_src.dtype == torch.float32,
+    )  # fmt: skip
 
 
-def _launch_fwd(q, k, v, bias, key_mask, causal: bool, wrap=lambda kernel: kernel):
-    B, SQ, H, D = q.shape
-    SK = k.shape[1]
-    has_bias, has_mask, ieee = _flags(q, bias, key_mask)
-    out = torch.empty((B, SQ, H, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((2, B, H, SQ), dtype=torch.float32, device=q.device)  # row max (base 2), 1/row sum
+_LOG2E = 1.4426950408889634
+
+
+def _kernel_bias(bias: torch.Tensor) -> torch.Tensor:
+    """The bias as the kernels read it: in base-2 units, so that scale and bias are one FMA per score."""
+    return bias if bias.numel() == 0 else (bias * _LOG2E).contiguous()
+
+
+def _even(SQ: int, SK: int, block_m: int, block_n: int) -> dict:
+    """Whether the query / key lengths are whole tiles: the kernels then skip their bounds masks."""
+    return dict(EVEN_M=SQ % block_m == 0, EVEN_N=SK % block_n == 0)
+
+
+def _layout(q_src: torch.Tensor, kv_src: torch.Tensor, heads: int) -> tuple[torch.Tensor, int, int, int]:
+    """(the tensor holding k and v, d_kv, k column offset, v column offset) of packed sources:
+    self-attention q_src = [q | k | v] with kv_src empty, cross-attention kv_src = [k | v]."""
+    if kv_src.numel() == 0:
+        hd = q_src.shape[-1] // 3
+        return q_src, hd // heads, hd, 2 * hd
+    hd = q_src.shape[-1]
+    return kv_src, hd // heads, 0, hd
+
+
+def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, wrap=lambda kernel: kernel):
+    """out (B, SQ, H * D) and the row statistics (2, B, H, SQ) for the backward."""
+    kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
+    B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
+    out = torch.empty((B, SQ, H * D), dtype=q_src.dtype, device=q_src.device)
+    lse = torch.empty((2, B, H, SQ), dtype=torch.float32, device=q_src.device)  # row max (base 2), 1/row sum
+    flags = _flags(q_src, bias, key_mask)
+    kbias = _kernel_bias(bias)
     grid = (triton.cdiv(SQ, FWD_BLOCK_M), B * H)
     wrap(_fwd_kernel)[grid](
-        q, k, v, bias, key_mask, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        H, SQ, SK, SK - SQ, B * H * SQ,
-        HAS_BIAS=has_bias, HAS_MASK=has_mask, CAUSAL=causal, IEEE=ieee, D=D,
+        q_src, kv, kbias, key_mask, out, lse, *q_src.stride()[:2], *kv.stride()[:2], *out.stride()[:2], k_off, v_off,
+        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D,
         BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, num_warps=FWD_WARPS, num_stages=FWD_STAGES,
+        **_even(SQ, SK, FWD_BLOCK_M, FWD_BLOCK_N),
     )  # fmt: skip
     return out, lse
 
 
-def _launch_bwd(q, k, v, bias, key_mask, out, lse, dout, causal: bool, wrap=lambda kernel: kernel):
-    B, SQ, H, D = q.shape
-    SK = k.shape[1]
-    has_bias, has_mask, ieee = _flags(q, bias, key_mask)
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, SQ) rowsum(dO * O)
-    dq = torch.empty((B, SQ, H, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, SK, H, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, SK, H, D), dtype=v.dtype, device=v.device)
-    common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    flags = dict(HAS_BIAS=has_bias, HAS_MASK=has_mask, CAUSAL=causal, IEEE=ieee, D=D)
+# The bias gradient: True = the dQ kernel writes dS and torch sums it over the batch (one extra
+# (B, H, SQ, SK) buffer in the input dtype for the length of the backward); False = the separate
+# dbias kernel that recomputes P and dO V^T per batch element (no buffer). Benchmark variant `dbiaskernel`.
+DBIAS_FROM_DS = True
+
+
+def _launch_bwd(
+    q_src, kv_src, bias, key_mask, out, lse, dout, causal: bool, heads: int, wrap=lambda kernel: kernel
+):
+    """Gradients of the sources (each one buffer, laid out like its source; an empty kv_src gets an
+    empty gradient) and of the (H, SQ, SK) bias."""
+    kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
+    B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
+    flags = _flags(q_src, bias, key_mask)
+    kbias = _kernel_bias(bias)
+    dout = dout.contiguous()
+    delta = (
+        (dout.float() * out.float()).view(B, SQ, H, D).sum(-1).transpose(1, 2).contiguous()
+    )  # rowsum(dO*O)
+    dq_src = torch.empty(q_src.shape, dtype=q_src.dtype, device=q_src.device)
+    dkv_src = torch.empty(kv_src.shape, dtype=kv_src.dtype, device=kv_src.device)
+    dkv = dq_src if kv_src.numel() == 0 else dkv_src  # self-attention: dq, dk, dv all in dq_src
+    write_ds = flags["HAS_BIAS"] and DBIAS_FROM_DS
+    ds = q_src.new_empty((0,))
+    if write_ds:  # causal: tiles above the diagonal are never visited, so they must read as 0
+        ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
+    strides = (*q_src.stride()[:2], *kv.stride()[:2], *dout.stride()[:2])
     tiles = dict(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=BWD_WARPS, num_stages=BWD_STAGES)
-    wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, BWD_BLOCK_N), B * H)](
-        q, k, v, bias, key_mask, dout, lse, delta, dk, dv, *common, *dk.stride()[:3],
-        H, SQ, SK, SK - SQ, B * H * SQ, **flags, **tiles,
-    )  # fmt: skip
+    tiles.update(_even(SQ, SK, BWD_BLOCK_M, BWD_BLOCK_N))
     wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, BWD_BLOCK_M), B * H)](
-        q, k, v, bias, key_mask, dout, lse, delta, dq, *common, *dq.stride()[:3],
-        H, SQ, SK, SK - SQ, B * H * SQ, **flags, **tiles,
+        q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
+        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, WRITE_DS=write_ds, D=D, **tiles,
     )  # fmt: skip
-    if has_bias:
-        dbias = torch.empty((H, SQ, SK), dtype=torch.float32, device=q.device)
+    wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, BWD_BLOCK_N), B * H)](
+        q_src, kv, kbias, key_mask, dout, lse, delta, dkv, *strides, *dkv.stride()[:2], k_off, v_off,
+        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D, **tiles,
+    )  # fmt: skip
+    if not flags["HAS_BIAS"]:
+        dbias = torch.zeros_like(bias)
+    elif write_ds:
+        dbias = ds.sum(0, dtype=torch.float32)
+    else:
+        dbias = torch.empty((H, SQ, SK), dtype=torch.float32, device=q_src.device)
         grid = (triton.cdiv(SQ, DBIAS_BLOCK_M), triton.cdiv(SK, DBIAS_BLOCK_N), H)
         wrap(_bwd_dbias_kernel)[grid](
-            q, k, v, bias, key_mask, dout, lse, delta, dbias, *common,
-            B, H, SQ, SK, SK - SQ, B * H * SQ, HAS_MASK=has_mask, CAUSAL=causal, IEEE=ieee, D=D,
+            q_src, kv, kbias, key_mask, dout, lse, delta, dbias, *strides, k_off, v_off,
+            B, H, SQ, SK, SK - SQ, B * H * SQ, HAS_MASK=flags["HAS_MASK"], CAUSAL=causal, IEEE=flags["IEEE"], D=D,
             BLOCK_M=DBIAS_BLOCK_M, BLOCK_N=DBIAS_BLOCK_N, num_warps=DBIAS_WARPS, num_stages=DBIAS_STAGES,
+            **_even(SQ, SK, DBIAS_BLOCK_M, DBIAS_BLOCK_N),
         )  # fmt: skip
-    else:
-        dbias = torch.zeros_like(bias)
-    return dq, dk, dv, dbias
-
-
-def _prepare(q, k, v, bias, key_mask):
-    """Kernel-ready tensors: a common dtype, unit last stride, fp32 contiguous bias, uint8 mask (empty = none)."""
-    dtype = q.dtype
-    if torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    bias = q.new_empty((0,), dtype=torch.float32) if bias is None else bias.float().contiguous()
-    key_mask = (
-        q.new_empty((0,), dtype=torch.uint8) if key_mask is None else key_mask.to(torch.uint8).contiguous()
-    )
-    return q, k, v, bias, key_mask
+    return dq_src, dkv_src, dbias
 
 
 if _HAS_TRITON and hasattr(torch.library, "triton_op"):
     from torch.library import triton_op, wrap_triton
 
+    # Every tensor a kernel writes is allocated here and passed whole (offsets are ints): the kernels
+    # never write through a view, which inductor's functionalisation could hand over as a copy.
     @triton_op("t5ds::flash_attention_fwd", mutates_args={})
     def _flash_fwd_op(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q_src: torch.Tensor,
+        kv_src: torch.Tensor,
         bias: torch.Tensor,
         key_mask: torch.Tensor,
         causal: bool,
+        heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch_fwd(q, k, v, bias, key_mask, causal, wrap=wrap_triton)
+        return _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads, wrap=wrap_triton)
 
     @triton_op("t5ds::flash_attention_bwd", mutates_args={})
     def _flash_bwd_op(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        q_src: torch.Tensor,
+        kv_src: torch.Tensor,
         bias: torch.Tensor,
         key_mask: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
         dout: torch.Tensor,
         causal: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _launch_bwd(q, k, v, bias, key_mask, out, lse, dout, causal, wrap=wrap_triton)
+        heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _launch_bwd(q_src, kv_src, bias, key_mask, out, lse, dout, causal, heads, wrap=wrap_triton)
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, bias, key_mask, causal = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, bias, key_mask, out, lse)
-        ctx.causal = causal
-        ctx.bias_dtype = bias.dtype
+        q_src, kv_src, bias, key_mask, causal, heads = inputs
+        ctx.save_for_backward(q_src, kv_src, bias, key_mask, *output)
+        ctx.causal, ctx.heads = causal, heads
 
     def _backward(ctx, dout, dlse):
-        q, k, v, bias, key_mask, out, lse = ctx.saved_tensors
-        dq, dk, dv, dbias = _flash_bwd_op(q, k, v, bias, key_mask, out, lse, dout, ctx.causal)
-        return dq, dk, dv, dbias if bias.numel() > 0 else None, None, None
+        q_src, kv_src, bias, key_mask, out, lse = ctx.saved_tensors
+        dq_src, dkv_src, dbias = _flash_bwd_op(
+            q_src, kv_src, bias, key_mask, out, lse, dout, ctx.causal, ctx.heads
+        )
+        return _grads_or_none(kv_src, bias, dq_src, dkv_src, dbias)
 
     _flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
-    def _fwd(q, k, v, bias, key_mask, causal):
-        return _flash_fwd_op(q, k, v, bias, key_mask, causal)
+    def _fwd(q_src, kv_src, bias, key_mask, causal, heads):
+        return _flash_fwd_op(q_src, kv_src, bias, key_mask, causal, heads)
 
 elif _HAS_TRITON:  # older torch: a plain autograd.Function (graph break under torch.compile)
 
     class _FlashFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, bias, key_mask, causal):
-            out, lse = _launch_fwd(q, k, v, bias, key_mask, causal)
-            ctx.save_for_backward(q, k, v, bias, key_mask, out, lse)
-            ctx.causal = causal
+        def forward(ctx, q_src, kv_src, bias, key_mask, causal, heads):
+            out, lse = _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads)
+            ctx.save_for_backward(q_src, kv_src, bias, key_mask, out, lse)
+            ctx.causal, ctx.heads = causal, heads
             return out, lse
 
         @staticmethod
         def backward(ctx, dout, dlse):
-            q, k, v, bias, key_mask, out, lse = ctx.saved_tensors
-            dq, dk, dv, dbias = _launch_bwd(q, k, v, bias, key_mask, out, lse, dout, ctx.causal)
-            return dq, dk, dv, dbias if bias.numel() > 0 else None, None, None
+            q_src, kv_src, bias, key_mask, out, lse = ctx.saved_tensors
+            grads = _launch_bwd(q_src, kv_src, bias, key_mask, out, lse, dout, ctx.causal, ctx.heads)
+            return _grads_or_none(kv_src, bias, *grads)
 
-    def _fwd(q, k, v, bias, key_mask, causal):
-        return _FlashFunction.apply(q, k, v, bias, key_mask, causal)
+    def _fwd(q_src, kv_src, bias, key_mask, causal, heads):
+        return _FlashFunction.apply(q_src, kv_src, bias, key_mask, causal, heads)
+
+
+def _grads_or_none(kv_src, bias, dq_src, dkv_src, dbias):
+    """Autograd's gradient tuple for (q_src, kv_src, bias, key_mask, causal, heads)."""
+    return (
+        dq_src,
+        dkv_src if kv_src.numel() > 0 else None,
+        dbias if bias.numel() > 0 else None,
+        None,
+        None,
+        None,
+    )
+
+
+def _check_supported(d_kv: int) -> None:
+    if not _HAS_TRITON:
+        raise RuntimeError(
+            "attention_backend='triton' needs the triton package (pip install triton) and CUDA"
+        )
+    if d_kv not in (16, 32, 64, 128):
+        raise ValueError(
+            f"the triton attention kernel supports d_kv in (16, 32, 64, 128), got {d_kv}; use 'sdpa'"
+        )
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """The autocast dtype when autocast is on, unit last stride."""
+    if torch.is_autocast_enabled(t.device.type):
+        t = t.to(torch.get_autocast_dtype(t.device.type))
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def t5_flash_attention_packed(
+    q_src: torch.Tensor,
+    kv_src: torch.Tensor | None,
+    heads: int,
+    bias: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Fused attention read straight from the projection outputs, (B, SQ, H * D) out.
+
+    Self-attention: q_src (B, S, 3 H D) = [q | k | v], kv_src None. Cross-attention: q_src
+    (B, SQ, H D), kv_src (B, SK, 2 H D) = [k | v]. The bias is (H, SQ, SK) fp32 (a relative one
+    is expanded by the caller, `attention.dense_bias`). The backward returns each source's gradient as one tensor
+    (the kernels write dq, dk, dv into it; autograd has no concatenation to do).
+    """
+    _check_supported(q_src.shape[-1] // (3 if kv_src is None else 1) // heads)
+    q_src = _kernel_ready(q_src)
+    kv_src = q_src.new_empty((0,)) if kv_src is None else _kernel_ready(kv_src).to(q_src.dtype)
+    bias = q_src.new_empty((0,), dtype=torch.float32) if bias is None else bias.float().contiguous()
+    key_mask = (
+        q_src.new_empty((0,), dtype=torch.uint8)
+        if key_mask is None
+        else key_mask.to(torch.uint8).contiguous()
+    )
+    with torch.autocast(device_type=q_src.device.type, enabled=False):
+        out, _ = _fwd(q_src, kv_src, bias, key_mask, causal, heads)
+    return out
 
 
 def t5_flash_attention(
@@ -382,17 +518,9 @@ def t5_flash_attention(
     key_mask: torch.Tensor | None,
     causal: bool,
 ) -> torch.Tensor:
-    """Fused attention; shapes and semantics as `training.model.attention.attention`."""
-    if not _HAS_TRITON:
-        raise RuntimeError(
-            "attention_backend='triton' needs the triton package (pip install triton) and CUDA"
-        )
-    d = q.shape[-1]
-    if d not in (16, 32, 64, 128):
-        raise ValueError(
-            f"the triton attention kernel supports d_kv in (16, 32, 64, 128), got {d}; use 'sdpa'"
-        )
-    q, k, v, bias_t, mask_t = _prepare(q, k, v, bias, key_mask)
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        out, _ = _fwd(q, k, v, bias_t, mask_t, causal)
-    return out
+    """Fused attention on separate q (B, SQ, H, D), k/v (B, SK, H, D) -> (B, SQ, H, D), semantics as
+    `training.model.attention.attention`. Packs k and v into one tensor first (a copy): the model
+    calls `t5_flash_attention_packed` on its projection outputs instead."""
+    b, sq, h, d = q.shape
+    kv = torch.cat([k.flatten(2), v.flatten(2)], dim=-1)
+    return t5_flash_attention_packed(q.flatten(2), kv, h, bias, key_mask, causal).view(b, sq, h, d)
