@@ -347,9 +347,8 @@ def _launch_bwd(
     flags = _flags(q_src, bias, key_mask)
     kbias = _kernel_bias(bias)
     dout = dout.contiguous()
-    delta = (
-        (dout.float() * out.float()).view(B, SQ, H, D).sum(-1).transpose(1, 2).contiguous()
-    )  # rowsum(dO*O)
+    # rowsum(dO * O) per query row, (B, H, SQ)
+    delta = (dout.float() * out.float()).view(B, SQ, H, D).sum(-1).transpose(1, 2).contiguous()
     dq_src = torch.empty(q_src.shape, dtype=q_src.dtype, device=q_src.device)
     dkv_src = torch.empty(kv_src.shape, dtype=kv_src.dtype, device=kv_src.device)
     dkv = dq_src if kv_src.numel() == 0 else dkv_src  # self-attention: dq, dk, dv all in dq_src
@@ -493,8 +492,8 @@ def t5_flash_attention_packed(
 
     Self-attention: q_src (B, S, 3 H D) = [q | k | v], kv_src None. Cross-attention: q_src
     (B, SQ, H D), kv_src (B, SK, 2 H D) = [k | v]. The bias is (H, SQ, SK) fp32 (a relative one
-    is expanded by the caller, `attention.dense_bias`). The backward returns each source's gradient as one tensor
-    (the kernels write dq, dk, dv into it; autograd has no concatenation to do).
+    is expanded by the caller, `attention.dense_bias`). The backward returns each source's gradient
+    as one tensor (the kernels write dq, dk, dv into it; autograd has no concatenation to do).
     """
     _check_supported(q_src.shape[-1] // (3 if kv_src is None else 1) // heads)
     q_src = _kernel_ready(q_src)
