@@ -12,8 +12,9 @@ back to back on the host clock, as a training loop runs them (compare it with th
 
 A variant is a comma list of: an attention backend (triton|sdpa|flex|math), compile|nocompile,
 fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), and dbiaskernel (the fused kernel's bias
-gradient from its separate dbias kernel instead of the dS that the dQ kernel writes). Each variant prints one table row; --json
-appends one JSON object per variant to a file.
+gradient from its separate dbias kernel instead of the dS that the dQ kernel writes). Each variant
+prints one table row; --json appends one JSON object per variant to a file. The attention tiles
+come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
 """
 
 from __future__ import annotations
