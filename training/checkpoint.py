@@ -255,9 +255,11 @@ class CheckpointManager:
     def read_meta(self, path: Path) -> dict[str, Any]:
         return json.loads((Path(path) / META_NAME).read_text())
 
-    def is_universal(self, path: Path) -> bool:
-        """Written by training/checkpoint_universal.py: loadable on any ZeRO stage and world size."""
-        return bool(self.read_meta(path).get("universal"))
+    @staticmethod
+    def is_universal(meta: dict[str, Any]) -> bool:
+        """A checkpoint's meta (`read_meta`) says it was written by training/checkpoint_universal.py:
+        loadable on any ZeRO stage and world size."""
+        return bool(meta.get("universal"))
 
     def find_resumable(self) -> Path | None:
         """Newest complete checkpoint, or None. Broken/partial ones are logged and skipped, not deleted.
@@ -336,7 +338,7 @@ class CheckpointManager:
             raise RuntimeError(f"cannot load checkpoint {path}: {'; '.join(found)}")
         meta = self.read_meta(path)
         saved_world, saved_stage = int(meta["world_size"]), int(meta.get("zero_stage", 0))
-        if saved_world != self.world_size and saved_stage >= 1 and not self.is_universal(path):
+        if saved_world != self.world_size and saved_stage >= 1 and not self.is_universal(meta):
             raise RuntimeError(
                 f"checkpoint {path} was written by {saved_world} ranks with ZeRO stage {saved_stage}, and "
                 f"this run has {self.world_size}: DeepSpeed cannot re-partition ZeRO optimizer state "

@@ -67,7 +67,7 @@ def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoin
     if problems:
         raise RuntimeError(f"cannot convert {src}: {'; '.join(problems)}")
     meta = source.read_meta(src)
-    if source.is_universal(src):
+    if source.is_universal(meta):
         raise ValueError(f"{src} is already a universal checkpoint: resume from it directly")
     dest_root = new_run_dir / "checkpoints"
     if dest_root.exists() and any(dest_root.iterdir()):

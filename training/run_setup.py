@@ -118,7 +118,7 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
             prepare_for_zero3(model, cfg.model.zero3_compile, ds_config)
     ckpt = CheckpointManager(out_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
     resume_from = ckpt.find_resumable()
-    if resume_from is not None and ckpt.is_universal(resume_from):
+    if resume_from is not None and ckpt.is_universal(ckpt.read_meta(resume_from)):
         # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
     clip = loop_clip(ds_config, model)
