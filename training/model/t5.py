@@ -93,30 +93,30 @@ class T5Attention(nn.Module):
         b, sq, _ = x.shape
         heads = (self.n_heads, self.d_kv)
         dropout_p = self.dropout_rate if self.training else 0.0
+        cached_kv = cache is not None and kv_input is not None and f"{cache_prefix}_k" in cache
+        if kv_input is None:  # self-attention: one GEMM for q, k and v
+            q_src, kv_src = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight])), None
+        else:  # cross-attention: one GEMM for the encoder output's k and v (once when decoding)
+            kv_src = None if cached_kv else F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
+            q_src = self.q(x)
         if cache is None:  # training / scoring: attention reads the fused projection outputs as they are
-            if kv_input is None:  # self-attention: one GEMM for q, k and v
-                q_src, kv_src = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight])), None
-            else:  # cross-attention: one GEMM for the encoder output's k and v
-                q_src, kv_src = self.q(x), F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
             out = packed_attention(
                 q_src, kv_src, self.n_heads, bias, key_mask, causal, self.backend, dropout_p
             )
             return self.o(out)
         # Incremental decoding: keys/values are appended to (self) or read from (cross) the cache.
         if kv_input is None:
-            qkv = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight]))
-            q, k, v = (t.view(b, sq, *heads) for t in qkv.chunk(3, dim=-1))
+            q, k, v = (t.view(b, sq, *heads) for t in q_src.chunk(3, dim=-1))
             if f"{cache_prefix}_k" in cache:
                 k = torch.cat([cache[f"{cache_prefix}_k"], k], dim=1)
                 v = torch.cat([cache[f"{cache_prefix}_v"], v], dim=1)
             cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
-        else:  # cross-attention: encoder-output keys/values computed once
-            q = self.q(x).view(b, sq, *heads)
-            if f"{cache_prefix}_k" in cache:
+        else:
+            q = q_src.view(b, sq, *heads)
+            if cached_kv:
                 k, v = cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"]
             else:
-                kv = F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
-                k, v = (t.view(b, kv_input.shape[1], *heads) for t in kv.chunk(2, dim=-1))
+                k, v = (t.view(b, kv_input.shape[1], *heads) for t in kv_src.chunk(2, dim=-1))
                 cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
         out = attention(q, k, v, bias, key_mask, causal, self.backend, dropout_p)
         return self.o(out.reshape(b, sq, self.n_heads * self.d_kv))
