@@ -56,21 +56,21 @@ def _tiny(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
 @pytest.mark.parametrize(
     "is_decoder, q_len, k_len, q_offset", [(False, 13, 13, 0), (True, 7, 7, 0), (True, 1, 6, 5)]
 )
-def test_relative_bias_expands_to_the_bucketed_dense_bias(is_decoder, q_len, k_len, q_offset):
-    """The stack's relative (heads, q + k - 1) bias, expanded, is table[bucket(key - query)] per pair."""
+def test_position_bias_is_the_bucketed_table_per_pair(is_decoder, q_len, k_len, q_offset):
+    """The stack's bias (one lookup per key - query offset, expanded) is table[bucket(key - query)]."""
     torch.manual_seed(0)
     config = T5Config.from_preset("tiny", relative_attention_num_buckets=8, relative_attention_max_distance=6)
     model = T5ForConditionalGeneration(config)  # small buckets: the log-spaced ones show at these lengths
     stack = model.decoder if is_decoder else model.encoder
-    rel = stack.position_bias(q_len, k_len, q_offset, torch.device("cpu"))
-    assert rel.shape == (model.config.num_heads, q_len + k_len - 1)
+    bias = stack.position_bias(q_len, k_len, q_offset, torch.device("cpu"))
     q_pos = torch.arange(q_offset, q_offset + q_len)[:, None]
     buckets = relative_position_bucket(torch.arange(k_len)[None, :] - q_pos, bidirectional=not is_decoder,
                                        num_buckets=8, max_distance=6)  # fmt: skip
     expected = stack.bias_table.weight[buckets].permute(2, 0, 1)
-    torch.testing.assert_close(dense_bias(rel, q_len, k_len), expected, rtol=0, atol=0)
+    torch.testing.assert_close(bias, expected, rtol=0, atol=0)
+    row = torch.zeros(model.config.num_heads, q_len + k_len - 1)
     with pytest.raises(ValueError, match="q_len \\+ k_len - 1"):
-        dense_bias(rel, q_len + 1, k_len)
+        dense_bias(row, q_len + 1, k_len)
 
 
 @pytest.mark.parametrize("cross", [False, True])
@@ -82,11 +82,11 @@ def test_packed_attention_equals_attention_on_split_views(cross):
     kv = kv_src if cross else q_src[..., h * d :]
     q = q_src[..., : h * d].unflatten(-1, (h, d))
     k, v = kv[..., : h * d].unflatten(-1, (h, d)), kv[..., h * d : 2 * h * d].unflatten(-1, (h, d))
-    bias = None if cross else torch.randn(h, sq + sk - 1)
+    bias = None if cross else torch.randn(h, sq, sk)
     mask = torch.ones(b, sk, dtype=torch.bool)
     mask[1, -2:] = False
     out = packed_attention(q_src, kv_src, h, bias, mask, causal=not cross, backend="math")
-    ref = _math_attention(q, k, v, dense_bias(bias, sq, sk), mask, not cross, 0.0)
+    ref = _math_attention(q, k, v, bias, mask, not cross, 0.0)
     torch.testing.assert_close(out, ref.flatten(2))
 
 

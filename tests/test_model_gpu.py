@@ -5,7 +5,7 @@ import torch
 
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model import triton_attention as ta
-from training.model.attention import _math_attention, attention, dense_bias
+from training.model.attention import _math_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -14,15 +14,11 @@ pytestmark = [
 
 
 def _inputs(b, sq, sk, h, d, dtype, with_bias, with_mask, seed=0):
-    """with_bias: False, True (dense (h, sq, sk)) or "rel" (relative (h, sq + sk - 1))."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, sq, h, d, device="cuda", generator=g).to(dtype).requires_grad_()
     k = torch.randn(b, sk, h, d, device="cuda", generator=g).to(dtype).requires_grad_()
     v = torch.randn(b, sk, h, d, device="cuda", generator=g).to(dtype).requires_grad_()
-    bias = None
-    if with_bias:
-        shape = (h, sq + sk - 1) if with_bias == "rel" else (h, sq, sk)
-        bias = torch.randn(*shape, device="cuda", generator=g).requires_grad_()
+    bias = torch.randn(h, sq, sk, device="cuda", generator=g).requires_grad_() if with_bias else None
     mask = None
     if with_mask:
         mask = torch.ones(b, sk, dtype=torch.bool, device="cuda")
@@ -41,7 +37,6 @@ CASES = [  # (b, sq, sk, bias, mask, causal): encoder self, decoder self, cross-
     (4, 114, 512, False, True, False),
     (3, 77, 77, True, False, True),
     (5, 200, 200, True, False, False),
-    (4, 512, 512, "rel", True, False),  # the relative bias the model passes (expanded by `attention`)
 ]
 
 
@@ -49,8 +44,8 @@ CASES = [  # (b, sq, sk, bias, mask, causal): encoder self, decoder self, cross-
 def test_triton_matches_math_fp32(case):
     b, sq, sk, with_bias, with_mask, causal = case
     q, k, v, bias, mask = _inputs(b, sq, sk, 4, 64, torch.float32, with_bias, with_mask)
-    ref = _math_attention(q, k, v, dense_bias(bias, sq, sk), mask, causal, 0.0)
-    out = attention(q, k, v, bias, mask, causal, "triton")
+    ref = _math_attention(q, k, v, bias, mask, causal, 0.0)
+    out = ta.t5_flash_attention(q, k, v, bias, mask, causal)
     dout = torch.randn_like(ref)
     for got, exp, name in zip(
         _grads(out, [q, k, v, bias], dout) + (out,), _grads(ref, [q, k, v, bias], dout) + (ref,), "qkvbo"
@@ -67,8 +62,8 @@ def test_triton_matches_math_bf16(case):
     q, k, v, bias, mask = _inputs(b, sq, sk, 12, 64, torch.bfloat16, with_bias, with_mask)
     # Reference in fp32 from the same bf16 inputs; the kernel rounds P and dS to bf16 (like FlashAttention).
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = _math_attention(q32, k32, v32, dense_bias(bias, sq, sk), mask, causal, 0.0)
-    out = attention(q, k, v, bias, mask, causal, "triton")
+    ref = _math_attention(q32, k32, v32, bias, mask, causal, 0.0)
+    out = ta.t5_flash_attention(q, k, v, bias, mask, causal)
     dout = torch.randn_like(ref)
     got = _grads(out, [q, k, v, bias], dout.to(out.dtype)) + (out,)
     exp = _grads(ref, [q32, k32, v32, bias], dout) + (ref,)

@@ -6,12 +6,11 @@ masks padded keys (and future keys in the decoder). Layout used throughout: q (b
 d_kv), k/v (batch, k_len, heads, d_kv), i.e. the projection output viewed, never transposed, so the
 fused kernel reads it with strides.
 
-A bias is either dense, (heads, q_len, k_len), or relative, (heads, q_len + k_len - 1) with
-B[h, i, j] = rel[h, j - i + q_len - 1]: T5's bias depends only on key - query, so the model passes
-the relative form (1023 values per head at 512 x 512 instead of 262,144, gathered from the bucket
-table once per stack); `dense_bias` expands it (one gather per stack and step) for the backends
-that read a dense bias: math, sdpa and the fused kernel (which measured faster reading the dense
-tile than gathering from the relative row). FlexAttention reads the relative row directly.
+T5's bias depends only on key - query: the model looks up one relative row per head,
+(heads, q_len + k_len - 1) with B[h, i, j] = rel[h, j - i + q_len - 1] (1023 bucket lookups at
+512 x 512 instead of 262,144), and `dense_bias` expands it once per stack to the (heads, q_len,
+k_len) bias every backend here reads. (The fused kernel reading the relative row itself measured
+slower than reading the dense tile: docs/model.md.)
 
 Backends (`T5Config.attention_backend`):
 - "math": explicit fp32-softmax scores, the numerics of HF's eager T5 (used on CPU and for tests);
@@ -71,10 +70,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "math"
 
 
-def dense_bias(bias: torch.Tensor | None, q_len: int, k_len: int) -> torch.Tensor | None:
-    """(heads, q_len, k_len) bias from a dense one (returned as is) or a relative one (expanded)."""
-    if bias is None or bias.dim() == 3:
-        return bias
+def dense_bias(bias: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """(heads, q_len, k_len) bias from a relative one, (heads, q_len + k_len - 1): one gather."""
     if bias.shape[-1] != q_len + k_len - 1:
         raise ValueError(f"relative bias of length {bias.shape[-1]} for {q_len} queries x {k_len} keys; "
                          f"expected q_len + k_len - 1 = {q_len + k_len - 1}")  # fmt: skip
@@ -111,16 +108,13 @@ def attention(
 ) -> torch.Tensor:
     """softmax(q k^T + bias + mask) v for q (b, sq, h, d), k/v (b, sk, h, d) -> (b, sq, h, d).
 
-    bias: dense (h, sq, sk) or relative (h, sq + sk - 1) float (module docstring), or None
-    (cross-attention). key_mask: (b, sk) bool, True = real token, or None (all real). causal: query
-    i sees keys j <= i + (sk - sq) (the offset covers a key/value cache). dropout_p applies to the
-    attention probabilities (only the math/sdpa paths support it).
+    bias: (h, sq, sk) float or None (cross-attention). key_mask: (b, sk) bool, True = real token, or
+    None (all real). causal: query i sees keys j <= i + (sk - sq) (the offset covers a key/value
+    cache). dropout_p applies to the attention probabilities (only the math/sdpa paths support it).
     """
-    sq, sk = q.shape[1], k.shape[1]
-    backend = _choose_backend(backend, q.device, causal, sq, sk, dropout_p)
+    backend = _choose_backend(backend, q.device, causal, q.shape[1], k.shape[1], dropout_p)
     if backend == "flex":
         return _flex_attention(q, k, v, bias, key_mask, causal)
-    bias = dense_bias(bias, sq, sk)
     if backend == "triton":
         return triton_attention.t5_flash_attention(q, k, v, bias, key_mask, causal)
     if backend == "math":
@@ -156,9 +150,7 @@ def packed_attention(
     chosen = _choose_backend(backend, q_src.device, causal, sq, sk, dropout_p)
     if chosen == "triton":
         kv = None if kv_src is q_src else kv_src
-        return triton_attention.t5_flash_attention_packed(
-            q_src, kv, heads, dense_bias(bias, sq, sk), key_mask, causal
-        )
+        return triton_attention.t5_flash_attention_packed(q_src, kv, heads, bias, key_mask, causal)
     q = q_src[..., :hd].unflatten(-1, (heads, hd // heads))
     k = kv_src[..., k_at : k_at + hd].unflatten(-1, (heads, hd // heads))
     v = kv_src[..., k_at + hd : k_at + 2 * hd].unflatten(-1, (heads, hd // heads))
@@ -224,9 +216,7 @@ def _flex_attention(q, k, v, bias, key_mask, causal):
     neg = torch.finfo(torch.float32).min
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if bias is not None and bias.dim() == 2:  # relative: rel[h, j - i + sq - 1]
-            score = score + bias[h, kv_idx - q_idx + (sq - 1)]
-        elif bias is not None:
+        if bias is not None:
             score = score + bias[h, q_idx, kv_idx]
         if key_mask is not None:
             score = torch.where(key_mask[b, kv_idx], score, neg)

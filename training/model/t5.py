@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.model.attention import attention, packed_attention, relative_position_bucket
+from training.model.attention import attention, dense_bias, packed_attention, relative_position_bucket
 from training.model.config import T5Config
 from training.model.cross_entropy import fused_linear_cross_entropy
 
@@ -238,8 +238,8 @@ class T5Stack(nn.Module):
         return self.block[0].layer[0].SelfAttention.relative_attention_bias
 
     def position_bias(self, q_len: int, k_len: int, q_offset: int, device: torch.device) -> torch.Tensor:
-        """The learned bias in relative form, (heads, q_len + k_len - 1) fp32: entry t is the bias of
-        every (query i, key j) with j - i = t - (q_len - 1) (`attention.dense_bias` expands it).
+        """(heads, q_len, k_len) fp32 learned bias, shared by every block of the stack. Looked up once
+        per key - query offset (a (heads, q_len + k_len - 1) row) and expanded by `dense_bias`.
         Queries sit at positions q_offset .. q_offset + q_len - 1, keys at 0 .. k_len - 1."""
         rel = torch.arange(-(q_len - 1), k_len, device=device) - q_offset  # key position - query position
         buckets = relative_position_bucket(
@@ -248,7 +248,7 @@ class T5Stack(nn.Module):
             num_buckets=self.config.relative_attention_num_buckets,
             max_distance=self.config.relative_attention_max_distance,
         )
-        return self.bias_table(buckets).t().float()
+        return dense_bias(self.bias_table(buckets).t().float(), q_len, k_len)
 
     def forward(
         self,
