@@ -2,8 +2,9 @@
 
     python benchmarks/optimizer_step.py --size small --steps 5 [--device cpu|cuda]
 
-Variants: adamwscale on the model's tensors (foreach path), adamwscale on one flat buffer with a
-bound layout (the ZeRO path, one rank), torch AdamW (foreach), and the nanoT5 per-tensor loop.
+Variants: adamwscale on the model's tensors (foreach path, and `compiled=True`: one torch.compile
+graph), adamwscale on one flat buffer with a bound layout (the ZeRO path, one rank), torch AdamW
+(fused on CUDA, foreach), and the nanoT5 per-tensor loop.
 Prints the median seconds per step of each and, on CUDA, how many times one step makes the host
 wait for the GPU (`torch.cuda.set_sync_debug_mode`; adamwscale's should be 0: a step that waits lets
 the GPU idle while the host queues the next forward).
@@ -104,12 +105,15 @@ def main() -> None:
             p.grad = torch.randn_like(p) * 1e-3
         return ps
 
-    results = {}
-    ps = make()
-    opt = AdamWScale(ps, lr=1e-2)
-    results["adamwscale (tensors, foreach)"] = timed(opt.step, args.steps, device)
-    syncs = {"adamwscale (tensors, foreach)": host_syncs(opt.step, device)}
-    del opt, ps
+    results, syncs = {}, {}
+    for name, compiled in [("adamwscale (tensors, foreach)", False), ("adamwscale (tensors, compiled)", True)]:
+        if compiled and device.type == "cpu" and args.size != "tiny":
+            continue  # inductor on CPU compiles for minutes at these sizes
+        ps = make()
+        opt = AdamWScale(ps, lr=1e-2, compiled=compiled)
+        results[name] = timed(opt.step, args.steps, device)  # the first, untimed step compiles
+        syncs[name] = host_syncs(opt.step, device)
+        del opt, ps
 
     ps = make()
     flat = torch.cat([p.detach().reshape(-1) for p in ps]).requires_grad_()
@@ -127,6 +131,13 @@ def main() -> None:
     results["adamwscale (flat + layout, ZeRO path)"] = timed(opt.step, args.steps, device)
     syncs["adamwscale (flat + layout, ZeRO path)"] = host_syncs(opt.step, device)
     del opt, flat
+
+    if device.type == "cuda":  # torch's single-kernel AdamW: the floor for this much state traffic
+        ps = make()
+        opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+        results["torch AdamW fused"] = timed(opt.step, args.steps, device)
+        syncs["torch AdamW fused"] = host_syncs(opt.step, device)
+        del opt, ps
 
     ps = make()
     opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)

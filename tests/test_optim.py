@@ -415,3 +415,41 @@ def test_adamwscale_called_per_group_as_zero_does_waits_for_no_earlier_group():
     (w_split, steps_split), (w_one, steps_one) = run(True), run(False)
     assert all(torch.equal(a, b) for a, b in zip(w_split, w_one))
     assert steps_split == steps_one == [5] * len(steps_one)
+
+
+def test_adamwscale_compiled_matches_eager_without_recompiling():
+    """`compiled=True` runs the model-tensor path as a torch.compile graph: the same weights and
+    moments as eager over steps whose lr changes every step (a schedule) and with a skipped
+    (non-finite) step, and no graph is built after the first step (per-step values are tensors)."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        model = Toy()
+        opt = build_optimizer("adamwscale", model, lr=2e-2, weight_decay=0.1, compiled=compiled)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        graphs = []
+        for step, lr in enumerate([2e-2, 1.5e-2, 1e-2, 7e-3, 5e-3]):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            g = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 2:
+                params[1].grad.view(-1)[0] = float("nan")
+            opt.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert opt.skip_counters() == (1, 0)  # (skipped in total, in a row)
+        return [p.detach().clone() for p in params], opt.state_dict()["state"], graphs
+
+    torch._dynamo.reset()
+    counters.clear()
+    w_eager, s_eager, _ = run(False)
+    w_comp, s_comp, graphs = run(True)
+    assert graphs[0] > 0 and graphs[-1] == graphs[0], f"graphs built per step: {graphs}"
+    for a, b in zip(w_comp, w_eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for k in s_eager:  # moments of O(1): inductor's fused multiply-adds round in the last bit
+        assert s_comp[k]["step"] == s_eager[k]["step"] == 4
+        torch.testing.assert_close(s_comp[k]["exp_avg"], s_eager[k]["exp_avg"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(s_comp[k]["exp_avg_sq"], s_eager[k]["exp_avg_sq"], rtol=1e-6, atol=1e-7)

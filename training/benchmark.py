@@ -12,7 +12,10 @@ back to back on the host clock, as a training loop runs them (compare it with th
 
 A variant is a comma list of: an attention backend (triton|sdpa|flex|math), compile|nocompile,
 fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), and dbiaskernel (the fused kernel's bias
-gradient from its separate dbias kernel instead of the dS that the dQ kernel writes). Each variant
+gradient from its separate dbias kernel instead of the dS that the dQ kernel writes), optcompiled|opteager
+(AdamWScale's update compiled or foreach kernels), bf16residual|fp32residual (T5Config.residual_dtype
+"autocast" or "float32"), torchgelu (the gated GELU as torch ops for inductor to fuse instead of
+training/model/triton_gated_gelu.py). Each variant
 prints one table row; --json appends one JSON object per variant to a file. The attention tiles
 come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
 """
@@ -31,21 +34,22 @@ from training.model import T5Config, T5ForConditionalGeneration
 from training.model.flops import measure_matmul_tflops, model_flops_per_step
 
 
-def build_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -> torch.optim.Optimizer:
     if name == "adamwscale":
         try:
             from training.optim import build_optimizer as build
         except ImportError:  # the optimizer package is not there: fall back, say so in the output
             name = "adamw"
         else:
-            return build("adamwscale", model, lr=2e-2, weight_decay=0.0)
+            return build("adamwscale", model, lr=2e-2, weight_decay=0.0, compiled=compiled)
     return torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.0, fused=True)
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
-        mode=args.compile_mode, dbias_from_ds=True,
+        mode=args.compile_mode, dbias_from_ds=True, opt_compiled=args.optimizer_compiled,
+        residual_dtype=args.residual_dtype, triton_gelu=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "sdpa", "flex", "math"):
@@ -60,26 +64,36 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["mode"] = item[5:]
         elif item == "dbiaskernel":
             variant["dbias_from_ds"] = False
+        elif item in ("optcompiled", "opteager"):
+            variant["opt_compiled"] = item == "optcompiled"
+        elif item == "torchgelu":
+            variant["triton_gelu"] = False
+        elif item in ("bf16residual", "fp32residual"):
+            variant["residual_dtype"] = "autocast" if item == "bf16residual" else "float32"
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
-    from training.model import triton_attention
+    from training.model import triton_attention, triton_gated_gelu
 
     triton_attention.DBIAS_FROM_DS = variant["dbias_from_ds"]
+    triton_gated_gelu.ENABLED = variant["triton_gelu"]
     try:
         return _run_variant(variant, args, device)
     finally:
         triton_attention.DBIAS_FROM_DS = True
+        triton_gated_gelu.ENABLED = True
 
 
 def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
-    config = T5Config.from_preset(args.preset, attention_backend=variant["attention"])
+    config = T5Config.from_preset(
+        args.preset, attention_backend=variant["attention"], residual_dtype=variant["residual_dtype"]
+    )
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config).to(device)
-    optimizer = build_optimizer(model, args.optimizer)
+    optimizer = build_optimizer(model, args.optimizer, variant["opt_compiled"])
     bs, src, tgt = variant["batch_size"], args.input_length, args.target_length
     input_ids = torch.randint(2, config.vocab_size, (bs, src), device=device)
     labels = torch.randint(2, config.vocab_size, (bs, tgt), device=device)
@@ -221,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="fail on a graph break instead of silently splitting the step")  # fmt: skip
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--optimizer", default="adamwscale", choices=["adamwscale", "adamw"])
+    parser.add_argument("--residual-dtype", default="float32", choices=["float32", "autocast"],
+                        help="T5Config.residual_dtype (autocast: bf16 hidden states between blocks)")  # fmt: skip
+    parser.add_argument("--optimizer-compiled", action=argparse.BooleanOptionalAction, default=False,
+                        help="AdamWScale(compiled=True): its update as one torch.compile graph")  # fmt: skip
     parser.add_argument("--steps", type=int, default=15, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", default="", help="';'-separated variant specs (see module doc)")
@@ -262,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
             r = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
         v = variant
-        head = f"| {v['attention']}{'' if v['dbias_from_ds'] else ' (dbias kernel)'} | {'yes' + (' ' + v['mode'] if v['mode'] else '') if v['compile'] else 'no'} | "
+        head = f"| {v['attention']}{'' if v['dbias_from_ds'] else ' (dbias kernel)'}{', opt compiled' if v['opt_compiled'] else ''}{', bf16 residual' if v['residual_dtype'] == 'autocast' else ''}{', torch GELU' if not v['triton_gelu'] else ''} | {'yes' + (' ' + v['mode'] if v['mode'] else '') if v['compile'] else 'no'} | "
         head += f"{'yes' if v['fused_ce'] else 'no'} | {v['batch_size']} |"
         if "error" in r:
             print(f"{head} {r['error']} | | | | {r.get('peak_gib', 0):.1f} | | |", flush=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton")
 FEED_FORWARD_PROJ = ("gated-gelu", "relu")
+RESIDUAL_DTYPES = ("float32", "autocast")
 
 # T5 v1.1 dimensions (google/t5-v1_1-*): d_model, d_ff, layers (encoder = decoder), heads; d_kv = 64.
 _V11_SIZES = {
@@ -67,6 +68,11 @@ class T5Config:
     # matches HF eager), "sdpa" (torch SDPA with an additive bias), "flex" (FlexAttention, CUDA only for
     # training), "triton" (our fused kernel with the shared relative bias and its gradient; CUDA only).
     attention_backend: str = "auto"
+    # dtype of the residual stream (the hidden states between blocks): "float32" (HF's numerics, the
+    # default) or "autocast" (under torch.autocast, the autocast dtype, e.g. bf16 as T5X's activation
+    # dtype; the RMS norm still computes in fp32). Outside autocast both are float32. A training
+    # speed knob: half the element-wise traffic of the residual adds and norms.
+    residual_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.num_decoder_layers is None:
@@ -105,6 +111,11 @@ class T5Config:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"T5Config.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(
+                f"T5Config.residual_dtype must be one of {RESIDUAL_DTYPES} ('float32': HF numerics; "
+                f"'autocast': bf16 hidden states under bf16 autocast), got {self.residual_dtype!r}"
             )
         if self.initializer_factor <= 0:
             raise ValueError(f"T5Config.initializer_factor must be > 0, got {self.initializer_factor}")

@@ -22,6 +22,7 @@ from torch import nn
 from training.model.attention import attention, dense_bias, packed_attention, relative_position_bucket
 from training.model.config import T5Config
 from training.model.cross_entropy import fused_linear_cross_entropy
+from training.model.triton_gated_gelu import gated_gelu_packed
 
 
 class Seq2SeqOutput(NamedTuple):
@@ -42,9 +43,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32
 
 
-def gated_gelu(gate: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
-    """T5 v1.1's gated activation: gelu_tanh(gate) * lin."""
-    return F.gelu(gate, approximate="tanh") * lin
+def gated_gelu(h: torch.Tensor) -> torch.Tensor:
+    """T5 v1.1's gated activation gelu_tanh(gate) * lin of the fused projection output h = [gate | lin]
+    (a Triton kernel each way on CUDA, torch ops elsewhere: training/model/triton_gated_gelu.py)."""
+    return gated_gelu_packed(h)
 
 
 class T5LayerNorm(nn.Module):
@@ -135,8 +137,8 @@ class T5DenseGatedActDense(nn.Module):
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, lin = F.linear(x, torch.cat([self.wi_0.weight, self.wi_1.weight])).chunk(2, dim=-1)
-        return self.wo(self.dropout(self.act_fn(gate, lin)))
+        h = F.linear(x, torch.cat([self.wi_0.weight, self.wi_1.weight]))  # [wi_0 x | wi_1 x]
+        return self.wo(self.dropout(self.act_fn(h)))
 
 
 class T5DenseActDense(nn.Module):
@@ -260,6 +262,9 @@ class T5Stack(nn.Module):
         past_length: int = 0,
     ) -> torch.Tensor:
         h = self.dropout(self.embed_tokens(input_ids))
+        device_type = input_ids.device.type
+        if self.config.residual_dtype == "autocast" and torch.is_autocast_enabled(device_type):
+            h = h.to(torch.get_autocast_dtype(device_type))  # the residual adds then stay in it
         q_len = input_ids.shape[1]
         bias = self.position_bias(q_len, past_length + q_len, past_length, input_ids.device)
         key_mask = None if attention_mask is None else attention_mask.to(torch.bool)

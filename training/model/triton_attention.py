@@ -52,10 +52,17 @@ FWD_BLOCK_M = _env_int("T5DS_ATTN_FWD_BM", 64)
 FWD_BLOCK_N = _env_int("T5DS_ATTN_FWD_BN", 64)
 FWD_WARPS = _env_int("T5DS_ATTN_FWD_WARPS", 4)
 FWD_STAGES = _env_int("T5DS_ATTN_FWD_STAGES", 3)
-BWD_BLOCK_M = _env_int("T5DS_ATTN_BWD_BM", 64)
-BWD_BLOCK_N = _env_int("T5DS_ATTN_BWD_BN", 64)
-BWD_WARPS = _env_int("T5DS_ATTN_BWD_WARPS", 4)
-BWD_STAGES = _env_int("T5DS_ATTN_BWD_STAGES", 3)
+# dK/dV kernel: BLOCK_N keys per program (its accumulators), BLOCK_M queries per step; dQ kernel:
+# BLOCK_M queries per program, BLOCK_N keys per step. Swept apart (benchmarks/attention_tiles.py);
+# 64 x 64 for both stays the best in the whole model (docs/model.md).
+DKDV_BLOCK_M = _env_int("T5DS_ATTN_DKDV_BM", 64)
+DKDV_BLOCK_N = _env_int("T5DS_ATTN_DKDV_BN", 64)
+DKDV_WARPS = _env_int("T5DS_ATTN_DKDV_WARPS", 4)
+DKDV_STAGES = _env_int("T5DS_ATTN_DKDV_STAGES", 3)
+DQ_BLOCK_M = _env_int("T5DS_ATTN_DQ_BM", 64)
+DQ_BLOCK_N = _env_int("T5DS_ATTN_DQ_BN", 64)
+DQ_WARPS = _env_int("T5DS_ATTN_DQ_WARPS", 4)
+DQ_STAGES = _env_int("T5DS_ATTN_DQ_STAGES", 3)
 DBIAS_BLOCK_M = _env_int("T5DS_ATTN_DBIAS_BM", 64)
 DBIAS_BLOCK_N = _env_int("T5DS_ATTN_DBIAS_BN", 64)
 DBIAS_WARPS = _env_int("T5DS_ATTN_DBIAS_WARPS", 4)
@@ -357,15 +364,17 @@ def _launch_bwd(
     if write_ds:  # causal: tiles above the diagonal are never visited, so they must read as 0
         ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
     strides = (*q_src.stride()[:2], *kv.stride()[:2], *dout.stride()[:2])
-    tiles = dict(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, num_warps=BWD_WARPS, num_stages=BWD_STAGES)
-    tiles.update(_even(SQ, SK, BWD_BLOCK_M, BWD_BLOCK_N))
-    wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, BWD_BLOCK_M), B * H)](
+    wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, DQ_BLOCK_M), B * H)](
         q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
-        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, WRITE_DS=write_ds, D=D, **tiles,
+        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, WRITE_DS=write_ds, D=D,
+        BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, num_warps=DQ_WARPS, num_stages=DQ_STAGES,
+        **_even(SQ, SK, DQ_BLOCK_M, DQ_BLOCK_N),
     )  # fmt: skip
-    wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, BWD_BLOCK_N), B * H)](
+    wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, DKDV_BLOCK_N), B * H)](
         q_src, kv, kbias, key_mask, dout, lse, delta, dkv, *strides, *dkv.stride()[:2], k_off, v_off,
-        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D, **tiles,
+        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D,
+        BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, num_warps=DKDV_WARPS, num_stages=DKDV_STAGES,
+        **_even(SQ, SK, DKDV_BLOCK_M, DKDV_BLOCK_N),
     )  # fmt: skip
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)

@@ -48,6 +48,8 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
     unbound_flat_params: "error" (default) raises when DeepSpeed handed flat partitions and
     `bind_zero_layout` was not called; "treat_as_tensor" takes each flat partition as one tensor
     (the naive, WRONG behaviour; exists only so tests can show the layout matters).
+    compiled: run the model-tensor path (moments, RMS, update, decay) as one `torch.compile` graph
+    (same arithmetic; its per-step scalars are device tensors, so a changing lr does not recompile).
     """
 
     needs_tensor_layout = True
@@ -64,6 +66,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         skip_nonfinite: bool = True,
         guard_group: Any = None,
         unbound_flat_params: str = "error",
+        compiled: bool = False,
     ):
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr} - should be >= 0.0")
@@ -78,6 +81,10 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         self._init_partition_aware(skip_nonfinite, guard_group)
         self._numel_cache: dict[tuple, torch.Tensor] = {}  # (param ids, device) -> element counts
         self.needs_tensor_layout = unbound_flat_params == "error"
+        # compiled: the model-tensor path as one torch.compile graph (inductor fuses the ~10 passes of
+        # foreach kernels over the optimizer state into a few); flat partitions stay eager.
+        self.compiled = compiled
+        self._plain_update = torch.compile(_plain_update, dynamic=False) if compiled else _plain_update
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -111,24 +118,12 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
             if ok is not None:
                 self._defer_outcome(ok, [])
             return loss
-        if ok is not None:
-            skip = ok == 0
-            for g in grads:  # one kernel per tensor; torch has no multi-tensor masked fill
-                g.masked_fill_(skip, 0.0)
-
-        # Pass 1: moments, and the per-tensor RMS inputs. Flat partitions' per-tensor sums of
-        # squares are collected so that one all-reduce per process group serves all of them.
+        # Pass 1: the flat partitions' moments and per-tensor RMS inputs (their sums of squares are
+        # collected so that one all-reduce per process group serves all of them); the model tensors
+        # are done whole, group by group, in pass 2.
         tensor_jobs, flat_jobs = [], []
         for group, params, group_states in groups:
             beta1, beta2 = group["betas"]
-            exp_avgs = [s["exp_avg"] for s in group_states]
-            exp_avg_sqs = [s["exp_avg_sq"] for s in group_states]
-            grads = [p.grad for p in params]
-            # moments *= beta, or *= 1 when the step is skipped (its gradients are zero by now)
-            torch._foreach_mul_(exp_avgs, beta1 if ok is None else torch.where(skip, 1.0, beta1))
-            torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2 if ok is None else torch.where(skip, 1.0, beta2))
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
             base = []
             for s in group_states:  # python floats: bias correction per tensor (steps may differ)
                 t = s["step"] + 1  # s["step"] counts the applied updates before this one
@@ -139,34 +134,25 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
             layouts = self._group_layouts(group, params)
             plain = [i for i, lay in enumerate(layouts) if lay is None]
             if plain:
-                tensor_jobs.append(
-                    (
-                        group,
-                        [params[i] for i in plain],
-                        [exp_avgs[i] for i in plain],
-                        [exp_avg_sqs[i] for i in plain],
-                        [base[i] for i in plain],
-                    )
-                )
+                tensor_jobs.append((group, [params[i] for i in plain], [group_states[i] for i in plain],
+                                    [base[i] for i in plain]))  # fmt: skip
             for i, lay in enumerate(layouts):
-                if lay is not None:
-                    flat_jobs.append(
-                        [
-                            group,
-                            params[i],
-                            exp_avgs[i],
-                            exp_avg_sqs[i],
-                            base[i],
-                            lay,
-                            _segment_sums(params[i], lay),
-                        ]
-                    )
+                if lay is None:
+                    continue
+                p, state = params[i], group_states[i]
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                if ok is not None:
+                    p.grad.masked_fill_(ok == 0, 0.0)
+                b1, b2 = _decay_factors(beta1, beta2, ok)
+                exp_avg.mul_(b1).add_(p.grad, alpha=1.0 - beta1)
+                exp_avg_sq.mul_(b2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
+                flat_jobs.append([group, p, exp_avg, exp_avg_sq, base[i], lay, _segment_sums(p, lay)])
 
         _allreduce_segment_sums(flat_jobs)
 
         # Pass 2: the updates.
-        for group, params, exp_avgs, exp_avg_sqs, base in tensor_jobs:
-            self._update_tensors(group, params, exp_avgs, exp_avg_sqs, base, ok)
+        for group, params, group_states, base in tensor_jobs:
+            self._update_tensors(group, params, group_states, base, ok)
         for group, p, exp_avg, exp_avg_sq, base, lay, sums in flat_jobs:
             self._update_flat(group, p, exp_avg, exp_avg_sq, base, lay, sums, ok)
 
@@ -185,24 +171,20 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
             self._numel_cache[key] = torch.tensor([float(p.numel()) for p in params], device=device)
         return self._numel_cache[key]
 
-    def _update_tensors(self, group: dict, params, exp_avgs, exp_avg_sqs, base: list[float], ok) -> None:
-        denoms = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_add_(denoms, group["eps"])
-        norms = torch.stack([n.float() for n in torch._foreach_norm(params)])
-        rms = norms / self._numels(params, norms.device).sqrt()
-        sizes = rms.clamp_min(RMS_FLOOR) * _as_factor(base, norms.device)
-        if ok is not None:
-            sizes = sizes * ok  # a skipped step moves nothing
-        # p -= size * m / denom, as p += -1 * m / (denom / size): a zero size makes the quotient
-        # infinite and the change 0 (m is finite: the guard keeps non-finite values out of it).
-        torch._foreach_div_(denoms, list(sizes.unbind()))
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-1.0)
-        if group["weight_decay"] > 0.0:
-            decay = -group["lr"] * group["weight_decay"]
-            if ok is None:
-                torch._foreach_add_(params, params, alpha=decay)
-            else:  # p += (decay * ok) * p, the factor a device scalar (1 + decay would round it)
-                torch._foreach_addcmul_(params, params, [ok * decay] * len(params))
+    def _update_tensors(self, group: dict, params, group_states, base: list[float], ok) -> None:
+        device = params[0].device
+        decay = -group["lr"] * group["weight_decay"]
+        if self.compiled:  # per-step values as device tensors: the graph is built once
+            scalars = _as_device_tensor(base + [decay], device)
+            base_t, decay_t = scalars[:-1], scalars[-1]
+        else:
+            base_t, decay_t = _as_factor(base, device), decay
+        beta1, beta2 = group["betas"]
+        self._plain_update(
+            params, [p.grad for p in params], [s["exp_avg"] for s in group_states],
+            [s["exp_avg_sq"] for s in group_states], self._numels(params, device), base_t, decay_t, ok,
+            beta1=beta1, beta2=beta2, eps=group["eps"], has_decay=group["weight_decay"] > 0.0,
+        )  # fmt: skip
 
     @staticmethod
     def _update_flat(group: dict, p, exp_avg, exp_avg_sq, base: float, lay: FlatLayout, sums, ok) -> None:
@@ -225,15 +207,65 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
                 p.addcmul_(p, (ok * decay).to(p.dtype))
 
 
-def _as_factor(values: list[float], device: torch.device) -> float | torch.Tensor:
-    """A Python scalar when all `values` are equal (the usual case: one step count per group), else
-    a tensor on `device` copied from pinned memory without waiting for the GPU."""
-    if all(v == values[0] for v in values):
-        return values[0]
+def _decay_factors(beta1: float, beta2: float, ok: torch.Tensor | None) -> tuple:
+    """The moments' decay factors: the betas, or 1 (device tensors) when the step is skipped."""
+    if ok is None:
+        return beta1, beta2
+    skip = ok == 0
+    return torch.where(skip, 1.0, beta1), torch.where(skip, 1.0, beta2)
+
+
+def _plain_update(
+    params, grads, exp_avgs, exp_avg_sqs, numels, base, decay, ok, *, beta1, beta2, eps, has_decay
+) -> None:
+    """One AdamWScale step of plain tensors (one parameter group), in place, nothing read on the host.
+
+    base: the per-tensor step sizes before the RMS factor (a float, or a device tensor per tensor);
+    decay: -lr * weight_decay (float or 0-d device tensor); ok: the finite flag (None: no guard).
+    Eager it runs as torch's foreach kernels; `AdamWScale(compiled=True)` compiles this function.
+    """
+    if ok is not None:  # a skipped step: zero gradients (non-finite entries included)
+        skip = ok == 0
+        for g in grads:  # one kernel per tensor eagerly; torch has no multi-tensor masked fill
+            g.masked_fill_(skip, 0.0)
+    b1, b2 = _decay_factors(beta1, beta2, ok)  # moments *= beta, or *= 1 when skipped
+    torch._foreach_mul_(exp_avgs, b1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, b2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denoms, eps)
+    norms = torch.stack([n.float() for n in torch._foreach_norm(params)])
+    rms = norms / numels.sqrt()
+    sizes = rms.clamp_min(RMS_FLOOR) * base
+    if ok is not None:
+        sizes = sizes * ok  # a skipped step moves nothing
+    # p -= size * m / denom, as p += -1 * m / (denom / size): a zero size makes the quotient
+    # infinite and the change 0 (m is finite: the guard keeps non-finite values out of it).
+    torch._foreach_div_(denoms, list(sizes.unbind()))
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-1.0)
+    if has_decay:
+        if ok is None and not isinstance(decay, torch.Tensor):
+            torch._foreach_add_(params, params, alpha=decay)
+        else:  # p += (decay * ok) * p, the factor a device scalar (1 + decay would round it)
+            factor = decay if ok is None else ok * decay
+            torch._foreach_addcmul_(params, params, [factor] * len(params))
+
+
+def _as_device_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    """float32 tensor on `device`, copied from pinned memory without waiting for the GPU."""
     host = torch.tensor(values, dtype=torch.float32)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def _as_factor(values: list[float], device: torch.device) -> float | torch.Tensor:
+    """A Python scalar when all `values` are equal (the usual case: one step count per group), else
+    a tensor on `device` (`_as_device_tensor`)."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return _as_device_tensor(values, device)
 
 
 def _segment_sums(p: torch.Tensor, lay: FlatLayout) -> torch.Tensor:
