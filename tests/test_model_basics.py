@@ -287,3 +287,28 @@ def test_compile_pointwise_keeps_loss_and_gradients():
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         # fp32 reductions fused in another order: ~2e-6 of the gradient's scale
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5 * float(a.grad.abs().max()), msg=name)
+
+
+def test_residual_dtype_autocast_keeps_bf16_hidden_states_under_autocast_only():
+    """residual_dtype='autocast': every block hands on bf16 hidden states under bf16 autocast (the
+    residual adds stay in bf16), the loss stays within bf16 rounding of the fp32 stream's; outside
+    autocast the model is the float32 one, bit for bit. A bad value names the choices."""
+    torch.manual_seed(0)
+    ref = T5ForConditionalGeneration(T5Config.from_preset("tiny"))
+    fast = T5ForConditionalGeneration(T5Config.from_preset("tiny", residual_dtype="autocast"))
+    fast.load_state_dict(ref.state_dict())
+    x = torch.randint(2, 1000, (2, 12))
+    y = torch.randint(2, 1000, (2, 5))
+    seen = []
+    for block in [*fast.encoder.block, *fast.decoder.block]:
+        block.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fast = fast(x, labels=y).loss
+        loss_ref = ref(x, labels=y).loss
+    assert seen == [torch.bfloat16] * (len(fast.encoder.block) + len(fast.decoder.block))
+    torch.testing.assert_close(loss_fast, loss_ref, rtol=2e-2, atol=0)
+    seen.clear()
+    assert torch.equal(fast(x, labels=y).loss, ref(x, labels=y).loss)
+    assert seen and set(seen) == {torch.float32}
+    with pytest.raises(ValueError, match="autocast"):
+        T5Config.from_preset("tiny", residual_dtype="bf16")

@@ -237,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", default="adamwscale", choices=["adamwscale", "adamw"])
     parser.add_argument("--residual-dtype", default="float32", choices=["float32", "autocast"],
                         help="T5Config.residual_dtype (autocast: bf16 hidden states between blocks)")  # fmt: skip
-    parser.add_argument("--optimizer-compiled", action=argparse.BooleanOptionalAction, default=False,
-                        help="AdamWScale(compiled=True): its update as one torch.compile graph")  # fmt: skip
+    parser.add_argument("--optimizer-compiled", action=argparse.BooleanOptionalAction, default=True,
+                        help="AdamWScale(compiled=True), as the run config's optim.compile")  # fmt: skip
     parser.add_argument("--steps", type=int, default=15, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", default="", help="';'-separated variant specs (see module doc)")

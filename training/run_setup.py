@@ -33,13 +33,17 @@ def build_model(model_section, device: torch.device, init: str | None = None):
     `init` picks the starting weights: None or "random" gives a fresh `model_section.preset`; a
     directory holding model_config.json is one of our runs (its newest complete checkpoint); any
     other path is a Hugging Face T5 directory or a nanoT5 state dict (shaped as the preset).
-    Dropout and the attention backend always come from `model_section`.
+    Dropout, the attention backend and the residual dtype always come from `model_section`.
     """
     from dataclasses import replace
 
     from training.model import T5Config, T5ForConditionalGeneration
 
-    overrides = {"dropout_rate": model_section.dropout_rate, "attention_backend": model_section.attention_backend}
+    overrides = {
+        "dropout_rate": model_section.dropout_rate,
+        "attention_backend": model_section.attention_backend,
+        "residual_dtype": model_section.residual_dtype,
+    }
     if init in (None, "", "random"):
         # Built and initialised on the training device: an 11B model's random init on the host
         # takes minutes per rank and its fp32 copy 45 GB of host memory per rank.
@@ -70,8 +74,11 @@ def build_optimizer_and_schedule(cfg, model: torch.nn.Module, horizon: Horizon):
     from training.optim import build_optimizer, lr_at
 
     o = cfg.optim
+    kw = {}
+    if o.name == "adamwscale":  # its compiled update pays on a GPU; on CPU inductor costs more than it saves
+        kw["compiled"] = o.compile and next(model.parameters()).device.type == "cuda"
     optimizer = build_optimizer(o.name, model, lr=o.base_lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
-                                eps=o.eps)
+                                eps=o.eps, **kw)
 
     def lr_factor(step: int) -> float:
         lr = lr_at(o.lr_scheduler, step, base_lr=o.base_lr, warmup_steps=o.warmup_steps,
