@@ -1,14 +1,17 @@
-"""The multi-run benchmark scripts: wave planning, scaling arithmetic, and a real CPU run of
-benchmarks/scaling.py (tiny model, gloo, 1 and 2 processes) that must produce agreeing losses."""
+"""The benchmark scripts: wave planning, scaling arithmetic, and a real CPU run of
+benchmarks/scaling.py (tiny model, gloo, 1 and 2 processes) that must produce agreeing losses; the
+model benchmark's variant items; the GPU-only scripts' message on a CPU machine."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.scaling import add_scaling, loss_spread, plan_waves
 from tests.test_pretrain import _env
@@ -94,3 +97,29 @@ def test_reshard_resume_script_on_cpu(shards, tmp_path):
     assert [int(cols[0]) for cols in lines] == [4, 5, 6]
     gap = float(proc.stdout.split("largest relative gap after the resume: ")[1].split("%")[0])
     assert gap < 0.1  # percent: the resumed run continues the same trajectory
+
+
+def test_model_benchmark_variant_items_parse():
+    """Every variant item of `python -m training.benchmark --variants` sets what its docstring says,
+    on top of the command-line defaults; an unknown item stops with its name."""
+    from training.benchmark import main, parse_variant
+
+    args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
+                              optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
+    v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu",
+                      args)  # fmt: skip
+    assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
+                     dbias_from_ds=False, opt_compiled=False, residual_dtype="autocast", triton_gelu=False)  # fmt: skip
+    assert parse_variant("", args)["opt_compiled"] and parse_variant("", args)["triton_gelu"]
+    with pytest.raises(SystemExit, match="fast"):
+        parse_variant("triton,fast", args)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            main([])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_gpu_only_benchmarks_say_what_they_need():
+    for script in ("benchmarks/attention_tiles.py",):
+        r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "needs triton and a CUDA GPU" in r.stderr, r.stderr[-500:]

@@ -69,7 +69,7 @@ class ModelConfig:
     """Attention implementation: auto (picks per device) | math | sdpa | flex | triton (training.model)."""
     residual_dtype: str = "float32"
     """Hidden states between blocks: float32 (HF numerics) | autocast (bf16 under bf16 precision, as
-    T5X's activations; ~4% faster steps and 3 GiB less at T5-base batch 128, docs/model.md)."""
+    T5X's activations; ~5% faster steps and 3 GiB less at T5-base batch 128, docs/model.md)."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module

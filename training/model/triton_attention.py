@@ -54,15 +54,20 @@ FWD_WARPS = _env_int("T5DS_ATTN_FWD_WARPS", 4)
 FWD_STAGES = _env_int("T5DS_ATTN_FWD_STAGES", 3)
 # dK/dV kernel: BLOCK_N keys per program (its accumulators), BLOCK_M queries per step; dQ kernel:
 # BLOCK_M queries per program, BLOCK_N keys per step. Swept apart (benchmarks/attention_tiles.py);
-# 64 x 64 for both stays the best in the whole model (docs/model.md).
-DKDV_BLOCK_M = _env_int("T5DS_ATTN_DKDV_BM", 64)
-DKDV_BLOCK_N = _env_int("T5DS_ATTN_DKDV_BN", 64)
-DKDV_WARPS = _env_int("T5DS_ATTN_DKDV_WARPS", 4)
-DKDV_STAGES = _env_int("T5DS_ATTN_DKDV_STAGES", 3)
-DQ_BLOCK_M = _env_int("T5DS_ATTN_DQ_BM", 64)
-DQ_BLOCK_N = _env_int("T5DS_ATTN_DQ_BN", 64)
-DQ_WARPS = _env_int("T5DS_ATTN_DQ_WARPS", 4)
-DQ_STAGES = _env_int("T5DS_ATTN_DQ_STAGES", 3)
+# 64 x 64 for both stays the best in the whole model (docs/model.md). The fourth session's
+# T5DS_ATTN_BWD_* variables still set both kernels when the kernel's own are not given.
+def _bwd_env_int(kernel: str, name: str, default: int) -> int:
+    return _env_int(f"T5DS_ATTN_{kernel}_{name}", _env_int(f"T5DS_ATTN_BWD_{name}", default))
+
+
+DKDV_BLOCK_M = _bwd_env_int("DKDV", "BM", 64)
+DKDV_BLOCK_N = _bwd_env_int("DKDV", "BN", 64)
+DKDV_WARPS = _bwd_env_int("DKDV", "WARPS", 4)
+DKDV_STAGES = _bwd_env_int("DKDV", "STAGES", 3)
+DQ_BLOCK_M = _bwd_env_int("DQ", "BM", 64)
+DQ_BLOCK_N = _bwd_env_int("DQ", "BN", 64)
+DQ_WARPS = _bwd_env_int("DQ", "WARPS", 4)
+DQ_STAGES = _bwd_env_int("DQ", "STAGES", 3)
 DBIAS_BLOCK_M = _env_int("T5DS_ATTN_DBIAS_BM", 64)
 DBIAS_BLOCK_N = _env_int("T5DS_ATTN_DBIAS_BN", 64)
 DBIAS_WARPS = _env_int("T5DS_ATTN_DBIAS_WARPS", 4)
