@@ -109,8 +109,9 @@ def test_model_benchmark_variant_items_parse():
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu",
                       args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
-                     dbias_from_ds=False, opt_compiled=False, residual_dtype="autocast", triton_gelu=False)  # fmt: skip
+                     dbias="kernel", opt_compiled=False, residual_dtype="autocast", triton_gelu=False)  # fmt: skip
     assert parse_variant("", args)["opt_compiled"] and parse_variant("", args)["triton_gelu"]
+    assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     with pytest.raises(SystemExit, match="fast"):
         parse_variant("triton,fast", args)
     if not torch.cuda.is_available():

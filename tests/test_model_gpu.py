@@ -57,6 +57,15 @@ def test_triton_matches_math_fp32(case):
         )
 
 
+@pytest.mark.parametrize("path", ["atomic", "kernel"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[3]], ids=str)
+def test_other_bias_gradient_paths_match_math_fp32(case, path, monkeypatch):
+    """The bias gradient by atomic adds from the dQ kernel and from the separate dbias kernel (the
+    default, dS summed by torch, is in the test above), the other gradients unchanged."""
+    monkeypatch.setattr(ta, "DBIAS_PATH", path)
+    test_triton_matches_math_fp32(case)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_math_bf16(case):
     b, sq, sk, with_bias, with_mask, causal = case

@@ -11,8 +11,9 @@ back to back on the host clock, as a training loop runs them (compare it with th
     python -m training.benchmark --variants "triton;sdpa;triton,nocompile;triton,bs=256"
 
 A variant is a comma list of: an attention backend (triton|sdpa|flex|math), compile|nocompile,
-fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), and dbiaskernel (the fused kernel's bias
-gradient from its separate dbias kernel instead of the dS that the dQ kernel writes), optcompiled|opteager
+fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), dbiaskernel|dbiasatomic (the fused kernel's
+bias gradient from its separate dbias kernel, or by atomic adds from the dQ kernel, instead of the
+dS that the dQ kernel writes; triton_attention.DBIAS_PATH), optcompiled|opteager
 (AdamWScale's update compiled or foreach kernels), bf16residual|fp32residual (T5Config.residual_dtype
 "autocast" or "float32"), torchgelu (the gated GELU as torch ops for inductor to fuse instead of
 training/model/triton_gated_gelu.py). Each variant
@@ -48,7 +49,7 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
-        mode=args.compile_mode, dbias_from_ds=True, opt_compiled=args.optimizer_compiled,
+        mode=args.compile_mode, dbias="ds", opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -62,8 +63,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["batch_size"] = int(item[3:])
         elif item.startswith("mode="):
             variant["mode"] = item[5:]
-        elif item == "dbiaskernel":
-            variant["dbias_from_ds"] = False
+        elif item in ("dbiaskernel", "dbiasatomic"):
+            variant["dbias"] = item[5:]
         elif item in ("optcompiled", "opteager"):
             variant["opt_compiled"] = item == "optcompiled"
         elif item == "torchgelu":
@@ -78,12 +79,12 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
     from training.model import triton_attention, triton_gated_gelu
 
-    triton_attention.DBIAS_FROM_DS = variant["dbias_from_ds"]
+    triton_attention.DBIAS_PATH = variant["dbias"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     try:
         return _run_variant(variant, args, device)
     finally:
-        triton_attention.DBIAS_FROM_DS = True
+        triton_attention.DBIAS_PATH = "ds"
         triton_gated_gelu.ENABLED = True
 
 
@@ -190,14 +191,15 @@ def attention_microbenchmark(
     dense = torch.randn(heads, seq, seq, device=device, requires_grad=True)
     dout = torch.randn(batch_size, seq, heads * d_kv, device=device, dtype=torch.bfloat16)
     flops = 4 * batch_size * heads * seq * seq * d_kv  # forward QK^T + PV; backward is 2.5x (recomputes QK^T)
-    cases = [  # (name, backend, bias, dbias from the dQ kernel's dS)
-        ("sdpa, dense bf16 bias", "sdpa", dense, True),
-        ("triton, dbias kernel", "triton", dense, False),
-        ("triton, dbias from dS (default)", "triton", dense, True),
-        ("triton, no bias", "triton", None, True),
+    cases = [  # (name, backend, bias, bias-gradient path of the triton kernels)
+        ("sdpa, dense bf16 bias", "sdpa", dense, "ds"),
+        ("triton, dbias kernel", "triton", dense, "kernel"),
+        ("triton, dbias from dS (default)", "triton", dense, "ds"),
+        ("triton, dbias by atomic adds", "triton", dense, "atomic"),
+        ("triton, no bias", "triton", None, "ds"),
     ]
-    for name, backend, bias, from_ds in cases:
-        ta.DBIAS_FROM_DS = from_ds
+    for name, backend, bias, path in cases:
+        ta.DBIAS_PATH = path
         try:
             with torch.no_grad():
                 fwd = _time_cuda(
@@ -215,7 +217,7 @@ def attention_microbenchmark(
         except Exception as e:  # noqa: BLE001
             print(f"# {name}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            ta.DBIAS_FROM_DS = True
+            ta.DBIAS_PATH = "ds"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -280,7 +282,12 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
             r = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
         v = variant
-        head = f"| {v['attention']}{'' if v['dbias_from_ds'] else ' (dbias kernel)'}{', opt compiled' if v['opt_compiled'] else ''}{', bf16 residual' if v['residual_dtype'] == 'autocast' else ''}{', torch GELU' if not v['triton_gelu'] else ''} | {'yes' + (' ' + v['mode'] if v['mode'] else '') if v['compile'] else 'no'} | "
+        notes = [] if v["dbias"] == "ds" else [f"dbias {v['dbias']}"]
+        notes += ["opt compiled"] if v["opt_compiled"] else []
+        notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
+        notes += [] if v["triton_gelu"] else ["torch GELU"]
+        compiled = ("yes " + v["mode"]).strip() if v["compile"] else "no"
+        head = f"| {', '.join([v['attention'], *notes])} | {compiled} | "
         head += f"{'yes' if v['fused_ce'] else 'no'} | {v['batch_size']} |"
         if "error" in r:
             print(f"{head} {r['error']} | | | | {r.get('peak_gib', 0):.1f} | | |", flush=True)

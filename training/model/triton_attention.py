@@ -20,8 +20,9 @@ work, not the tensor cores, bounds these kernels:
 - `_fwd_kernel`: grid (q blocks, B*H); writes out and the row max / inverse sum (base 2).
 - `_bwd_dkdv_kernel`: grid (k blocks, B*H); dK, dV of one key block, walking the query blocks.
 - `_bwd_dq_kernel`: grid (q blocks, B*H); recomputes P and accumulates dQ; with a bias it also
-  stores dS (B, H, Sq, Sk) in the input dtype, and torch sums it over the batch (`DBIAS_FROM_DS`).
-- `_bwd_dbias_kernel` (`DBIAS_FROM_DS = False`): grid (q blocks, k blocks, H); recomputes P and
+  stores dS (B, H, Sq, Sk) in the input dtype, and torch sums it over the batch (`DBIAS_PATH =
+  "ds"`), or adds dS into one fp32 (H, Sq, Sk) buffer with atomic adds (`"atomic"`).
+- `_bwd_dbias_kernel` (`DBIAS_PATH = "kernel"`): grid (q blocks, k blocks, H); recomputes P and
   dO V^T for every batch element of its tile and sums dS in registers (no buffer, two extra small
   GEMMs per tile and batch element).
 
@@ -232,10 +233,11 @@ if _HAS_TRITON:
                        sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
                        H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
                        HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, WRITE_DS: tl.constexpr, D: tl.constexpr,
+                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, DS_MODE: tl.constexpr, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-        """dQ of one query block of one (batch, head): walks all key blocks. WRITE_DS: also stores
-        dS (B, H, SQ, SK) in the input dtype, which the bias gradient then sums over the batch."""
+        """dQ of one query block of one (batch, head): walks all key blocks. DS_MODE 1: also stores
+        dS (B, H, SQ, SK) in the input dtype, which the bias gradient then sums over the batch; 2: adds
+        dS into DS, one fp32 (H, SQ, SK) buffer, with atomic adds (the bias gradient itself)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -255,9 +257,12 @@ if _HAS_TRITON:
             bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS)
             p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                        CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
-            if WRITE_DS:
+            if DS_MODE == 1:
                 tl.store(DS + bh * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds.to(DS.dtype.element_ty),
                          mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+            elif DS_MODE == 2:
+                tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
+                              mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK), sem="relaxed")
             dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
         tl.store(DQ + b * sdqb + h * D + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=offs_m[:, None] < SQ)
@@ -343,10 +348,13 @@ def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, wrap=la
     return out, lse
 
 
-# The bias gradient: True = the dQ kernel writes dS and torch sums it over the batch (one extra
-# (B, H, SQ, SK) buffer in the input dtype for the length of the backward); False = the separate
-# dbias kernel that recomputes P and dO V^T per batch element (no buffer). Benchmark variant `dbiaskernel`.
-DBIAS_FROM_DS = True
+# The bias gradient: "ds" = the dQ kernel writes dS and torch sums it over the batch (one extra
+# (B, H, SQ, SK) buffer in the input dtype for the length of the backward); "atomic" = the dQ kernel
+# adds dS into one fp32 (H, SQ, SK) buffer with atomic adds (no batch-sized buffer; the summation
+# order, so the last bits, vary from run to run); "kernel" = the separate dbias kernel that
+# recomputes P and dO V^T per batch element (no buffer). Benchmark variants `dbiasatomic`, `dbiaskernel`.
+DBIAS_PATHS = ("ds", "atomic", "kernel")
+DBIAS_PATH = "ds"
 
 
 def _launch_bwd(
@@ -364,14 +372,18 @@ def _launch_bwd(
     dq_src = torch.empty(q_src.shape, dtype=q_src.dtype, device=q_src.device)
     dkv_src = torch.empty(kv_src.shape, dtype=kv_src.dtype, device=kv_src.device)
     dkv = dq_src if kv_src.numel() == 0 else dkv_src  # self-attention: dq, dk, dv all in dq_src
-    write_ds = flags["HAS_BIAS"] and DBIAS_FROM_DS
+    if DBIAS_PATH not in DBIAS_PATHS:
+        raise ValueError(f"triton_attention.DBIAS_PATH must be one of {DBIAS_PATHS}, got {DBIAS_PATH!r}")
+    ds_mode = 0 if not flags["HAS_BIAS"] else {"ds": 1, "atomic": 2, "kernel": 0}[DBIAS_PATH]
     ds = q_src.new_empty((0,))
-    if write_ds:  # causal: tiles above the diagonal are never visited, so they must read as 0
+    if ds_mode == 1:  # causal: tiles above the diagonal are never visited, so they must read as 0
         ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
+    elif ds_mode == 2:
+        ds = torch.zeros((H, SQ, SK), dtype=torch.float32, device=q_src.device)
     strides = (*q_src.stride()[:2], *kv.stride()[:2], *dout.stride()[:2])
     wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, DQ_BLOCK_M), B * H)](
         q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
-        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, WRITE_DS=write_ds, D=D,
+        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode, D=D,
         BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, num_warps=DQ_WARPS, num_stages=DQ_STAGES,
         **_even(SQ, SK, DQ_BLOCK_M, DQ_BLOCK_N),
     )  # fmt: skip
@@ -383,8 +395,10 @@ def _launch_bwd(
     )  # fmt: skip
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
-    elif write_ds:
+    elif ds_mode == 1:
         dbias = ds.sum(0, dtype=torch.float32)
+    elif ds_mode == 2:
+        dbias = ds
     else:
         dbias = torch.empty((H, SQ, SK), dtype=torch.float32, device=q_src.device)
         grid = (triton.cdiv(SQ, DBIAS_BLOCK_M), triton.cdiv(SK, DBIAS_BLOCK_N), H)
