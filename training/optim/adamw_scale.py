@@ -136,14 +136,15 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
             if plain:
                 tensor_jobs.append((group, [params[i] for i in plain], [group_states[i] for i in plain],
                                     [base[i] for i in plain]))  # fmt: skip
-            for i, lay in enumerate(layouts):
-                if lay is None:
-                    continue
-                p, state = params[i], group_states[i]
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                if ok is not None:
-                    p.grad.masked_fill_(ok == 0, 0.0)
+            flat = [i for i, lay in enumerate(layouts) if lay is not None]
+            if flat:  # the decay factors once per group (device tensors under the guard)
                 b1, b2 = _decay_factors(beta1, beta2, ok)
+                skip = None if ok is None else ok == 0
+            for i in flat:
+                p, state, lay = params[i], group_states[i], layouts[i]
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                if skip is not None:
+                    p.grad.masked_fill_(skip, 0.0)
                 exp_avg.mul_(b1).add_(p.grad, alpha=1.0 - beta1)
                 exp_avg_sq.mul_(b2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
                 flat_jobs.append([group, p, exp_avg, exp_avg_sq, base[i], lay, _segment_sums(p, lay)])
