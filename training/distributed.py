@@ -7,6 +7,7 @@ backend is gloo and the device is the CPU, which is how the tests and the README
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -96,6 +97,12 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     device = resolve_device(requested_device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        # torch.distributed.nn's functions take `group=group.WORLD` as a default, evaluated when the
+        # module is first imported (DeepSpeed imports it during initialize). Imported after the
+        # group exists, those defaults keep the default group alive past destroy_process_group;
+        # imported now, they are None.
+        import torch.distributed.nn  # noqa: F401
+
         if backend == "gloo":
             disable_deepspeed_shm_comm()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
@@ -107,13 +114,29 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
 
 
 def shutdown_distributed() -> None:
-    """Destroy the process groups (the control group too). A process that leaves them to the
-    interpreter's exit can abort there after its work is done ("terminate called without an active
-    exception", seen with gloo), which the launcher reports as a failed run."""
+    """Destroy the process groups (the control group too) and free them while Python still runs.
+
+    A gloo group that survives to the interpreter's exit can abort the process after its work is
+    done ("terminate called without an active exception"; the launcher then reports a failed run):
+    a worker thread that drops its last finished collective must take the GIL to free the Python
+    tensor, and a thread taking the GIL during finalisation is unwound into std::terminate. So
+    every reference to the groups goes here (DeepSpeed's own through deepspeed.comm, the control
+    group) and the garbage collector runs, which joins their worker threads now.
+    """
     global _control_group
-    if dist.is_initialized():
-        dist.destroy_process_group()
     _control_group = None
+    if dist.is_initialized():
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached world group
+        else:
+            dist.destroy_process_group()
+        from deepspeed.utils import groups as deepspeed_groups
+
+        if getattr(deepspeed_groups, "_WORLD_GROUP", None) is not None:  # DeepSpeed versions that keep it
+            deepspeed_groups._WORLD_GROUP = None
+    gc.collect()  # groups held only by reference cycles (an engine, say) are freed here, not at exit
 
 
 def _all_reduce(values: list[float], device: torch.device, op) -> list[float]:
