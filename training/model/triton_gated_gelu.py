@@ -27,6 +27,9 @@ if _HAS_TRITON:
     import triton
     import triton.language as tl
 
+    # Module-level numbers in a kernel must be constexpr (the GPU compiler refuses a plain float).
+    # Keep them right of a tensor in products: Triton 3.9's interpreter turns `constexpr * tensor`
+    # into a constexpr that a nested @triton.jit call cannot take (same values either way).
     _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
     _GELU_CUBIC = tl.constexpr(0.044715)
 
@@ -41,7 +44,7 @@ if _HAS_TRITON:
         inside = cols < F_DIM
         gate = tl.load(H + row * 2 * F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
         lin = tl.load(H + row * 2 * F_DIM + F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
-        t = _tanh(_SQRT_2_OVER_PI * (gate + _GELU_CUBIC * gate * gate * gate))
+        t = _tanh((gate + gate * _GELU_CUBIC * gate * gate) * _SQRT_2_OVER_PI)
         out = 0.5 * gate * (1.0 + t) * lin
         tl.store(OUT + row * F_DIM + cols, out.to(OUT.dtype.element_ty), mask=inside)
 
@@ -54,11 +57,11 @@ if _HAS_TRITON:
         lin = tl.load(H + row * 2 * F_DIM + F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
         dout = tl.load(DOUT + row * F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
         gate2 = gate * gate
-        t = _tanh(_SQRT_2_OVER_PI * (gate + _GELU_CUBIC * gate2 * gate))
+        t = _tanh((gate + gate2 * _GELU_CUBIC * gate) * _SQRT_2_OVER_PI)
         gelu = 0.5 * gate * (1.0 + t)
         # d gelu / d gate = 0.5 (1 + t) + 0.5 gate (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 gate^2)
         dgelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * _SQRT_2_OVER_PI * (
-            1.0 + 3.0 * _GELU_CUBIC * gate2
+            1.0 + gate2 * (3.0 * _GELU_CUBIC)
         )
         tl.store(DH + row * 2 * F_DIM + cols, (dout * lin * dgelu).to(DH.dtype.element_ty), mask=inside)
         tl.store(DH + row * 2 * F_DIM + F_DIM + cols, (dout * gelu).to(DH.dtype.element_ty), mask=inside)
