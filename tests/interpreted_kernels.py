@@ -21,7 +21,12 @@ import torch
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model import triton_attention as ta
 from training.model import triton_gated_gelu as tg
-from training.model.attention import _math_attention
+from training.model.attention import (
+    _math_attention,
+    bias_saturation_distance,
+    dense_bias,
+    relative_position_bucket,
+)
 
 # (batch, q length, k length, causal, padded keys, with a bias (H, SQ, SK) shared by the batch)
 ATTENTION_CASES = [
@@ -90,6 +95,60 @@ def check_attention() -> None:
     ta.DBIAS_PATH = "ds"
 
 
+def check_far_tiles() -> None:
+    """FAR_TILES with a T5 bias (8 buckets up to distance 16, so that it saturates within these
+    lengths): tiles wholly beyond the saturation distance read one element instead of a tile, which
+    must give the very same outputs and gradients as reading every tile."""
+    heads, d, b = 2, 16, 2
+    for sq, causal, padded in [(64, False, True), (48, True, False), (64, True, True)]:
+        far = bias_saturation_distance(not causal, 8, 16)
+        table = torch.randn(8, heads)
+        rel = torch.arange(-(sq - 1), sq)
+        bias = dense_bias(table[relative_position_bucket(rel, not causal, 8, 16)].t(), sq, sq)
+        q, k, v = (torch.randn(b, sq, heads, d) for _ in range(3))
+        key_mask = q.new_empty((0,), dtype=torch.uint8)
+        if padded:
+            key_mask = torch.ones(b, sq, dtype=torch.uint8)
+            key_mask[1, sq // 3 :] = 0
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
+        dout = torch.randn(b, sq, heads * d)
+        results = {}
+        for far_tiles in (False, True):
+            ta.FAR_TILES = far_tiles
+            out, lse = ta._launch_fwd(qkv, q.new_empty((0,)), bias, key_mask, causal, heads, far)
+            for path in ("ds", "atomic"):
+                ta.DBIAS_PATH = path
+                dqkv, _, dbias = ta._launch_bwd(
+                    qkv, q.new_empty((0,)), bias, key_mask, out, lse, dout, causal, heads, far
+                )
+                results[far_tiles, path] = (out, dqkv, dbias)
+        ta.FAR_TILES, ta.DBIAS_PATH = False, "ds"
+        tag = f"far tiles {sq}x{sq} causal={causal} padded={padded} (saturated from {far})"
+        for path in ("ds", "atomic"):
+            for name, on, off in zip(("out", "dq|dk|dv", "dbias"), results[True, path], results[False, path]):
+                same = (
+                    torch.equal(on, off) if path == "ds" else _relative_error(on, off) < 1e-6
+                )  # atomics: any order
+                print(
+                    f"{tag}: {name} with and without far tiles (path {path}): {'identical' if same else 'DIFFERENT'}"
+                )
+                if not same:
+                    raise SystemExit(f"MISMATCH: {tag} {name} (path {path}): far tiles changed the result")
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        br = bias.clone().requires_grad_()
+        ref = _math_attention(qr, kr, vr, br, key_mask.bool() if padded else None, causal, 0.0)
+        ref.backward(dout.view_as(ref))
+        out, dqkv, dbias = results[True, "ds"]
+        _check(f"{tag}: out against math", out, ref.detach().flatten(2), 3e-5)
+        _check(
+            f"{tag}: dq|dk|dv against math",
+            dqkv,
+            torch.cat([qr.grad.flatten(2), kr.grad.flatten(2), vr.grad.flatten(2)], -1),
+            3e-5,
+        )
+        _check(f"{tag}: dbias against math", dbias, br.grad, 3e-5)
+
+
 def check_gated_gelu() -> None:
     for shape, f in [((5,), 64), ((2, 3), 1500), ((4,), 2048)]:  # 1500: a partial column block
         for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
@@ -105,8 +164,15 @@ def check_gated_gelu() -> None:
 def check_model() -> None:
     """A tiny T5 (padding in encoder and decoder) with attention_backend='triton' against 'math':
     the kernels as the model calls them (packed projections, the relative bias expanded per head,
-    cross-attention), loss and every parameter's gradient."""
-    config = T5Config.from_preset("tiny", attention_backend="math", num_layers=2)
+    cross-attention), loss and every parameter's gradient. 8 buckets up to distance 16: the bias
+    saturates within these lengths, so the far-tile path has tiles to skip."""
+    config = T5Config.from_preset(
+        "tiny",
+        attention_backend="math",
+        num_layers=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    )
     model = T5ForConditionalGeneration(config)
     ids, labels = torch.randint(2, 32128, (2, 40)), torch.randint(2, 32128, (2, 17))
     attention_mask, decoder_mask = torch.ones_like(ids), torch.ones_like(labels)
@@ -119,25 +185,31 @@ def check_model() -> None:
             if hasattr(m, "backend"):
                 m.backend = backend
         model.zero_grad()
-        loss = model(ids, labels=labels, attention_mask=attention_mask, decoder_attention_mask=decoder_mask).loss
+        loss = model(
+            ids, labels=labels, attention_mask=attention_mask, decoder_attention_mask=decoder_mask
+        ).loss
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ref_loss, ref_grads = run("math")
-    for path in ta.DBIAS_PATHS:
-        ta.DBIAS_PATH = path
+    for path, far_tiles in [(path, False) for path in ta.DBIAS_PATHS] + [("ds", True)]:
+        ta.DBIAS_PATH, ta.FAR_TILES = path, far_tiles
         loss, grads = run("triton")
-        _check(f"tiny T5 loss, triton attention (bias gradient path {path})", loss, ref_loss, 1e-5)
+        tag = f"bias gradient path {path}" + (", far tiles" if far_tiles else "")
+        _check(f"tiny T5 loss, triton attention ({tag})", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
         _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)
-    ta.DBIAS_PATH = "ds"
+    ta.DBIAS_PATH, ta.FAR_TILES = "ds", False
 
 
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("set TRITON_INTERPRET=1 (this checks the kernels on the CPU, through Triton's interpreter)")
+        raise SystemExit(
+            "set TRITON_INTERPRET=1 (this checks the kernels on the CPU, through Triton's interpreter)"
+        )
     torch.manual_seed(0)
     check_attention()
+    check_far_tiles()
     check_gated_gelu()
     check_model()
     print("ALL KERNEL CHECKS PASSED")

@@ -106,11 +106,13 @@ def test_model_benchmark_variant_items_parse():
 
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
-    v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu",
-                      args)  # fmt: skip
+    v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
+                      "fartiles", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
-                     dbias="kernel", opt_compiled=False, residual_dtype="autocast", triton_gelu=False)  # fmt: skip
-    assert parse_variant("", args)["opt_compiled"] and parse_variant("", args)["triton_gelu"]
+                     dbias="kernel", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
+                     far_tiles=True)  # fmt: skip
+    default = parse_variant("", args)
+    assert default["opt_compiled"] and default["triton_gelu"] and not default["far_tiles"]
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     with pytest.raises(SystemExit, match="fast"):
         parse_variant("triton,fast", args)

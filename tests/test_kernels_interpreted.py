@@ -28,12 +28,20 @@ SMALL_TILES = {
 }
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton package (pip install triton)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs the triton package (pip install triton)"
+)
 def test_kernels_match_torch_in_the_triton_interpreter():
     python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=python_path, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", **SMALL_TILES)
-    proc = subprocess.run([sys.executable, "-m", "tests.interpreted_kernels"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.interpreted_kernels"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ALL KERNEL CHECKS PASSED" in proc.stdout
     # every bias-gradient path was exercised, in the kernels and in the model

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from training.model import T5Config, T5ForConditionalGeneration
-from training.model.attention import _math_attention, dense_bias, packed_attention, relative_position_bucket
+from training.model.attention import (
+    _math_attention,
+    bias_saturation_distance,
+    dense_bias,
+    packed_attention,
+    relative_position_bucket,
+)
 from training.model.cross_entropy import fused_linear_cross_entropy
 from training.model.flops import model_flops_per_step
 
@@ -44,6 +50,31 @@ def test_relative_position_bucket_matches_reference(bidirectional):
     assert (
         ours.min() >= 0 and ours.max() == 31 and len(ours.unique()) == (31 if bidirectional else 32)
     )  # +0 never occurs
+
+
+@pytest.mark.parametrize(
+    "bidirectional, num_buckets, max_distance",
+    [(True, 32, 128), (False, 32, 128), (True, 8, 16), (False, 8, 6), (False, 32, 10)],
+)
+def test_bias_saturation_distance_is_where_the_buckets_stop_changing(bidirectional, num_buckets, max_distance):
+    """Beyond the distance the fused kernel is promised, every key - query offset of a direction
+    shares one bucket (so one bias value per head), checked against Mesh TF's buckets far past
+    max_distance; one step closer, some offset does not (the promise is as tight as it can be)."""
+    far = bias_saturation_distance(bidirectional, num_buckets, max_distance)
+    if max_distance <= (num_buckets // 2 if bidirectional else num_buckets) // 2:
+        assert far == 0  # (False, 32, 10): the log buckets do not end at max_distance: no promise
+        return
+    rel = range(-4096, 4097)
+    bucket = {r: mesh_tf_bucket(r, bidirectional, num_buckets, max_distance) for r in rel}
+
+    def constant_beyond(d: int) -> bool:
+        after = {bucket[r] for r in rel if r >= d}
+        before = {bucket[r] for r in rel if r <= -d}
+        return len(after) == 1 and len(before) == 1
+
+    assert constant_beyond(far) and not constant_beyond(far - 1)
+    if (bidirectional, num_buckets, max_distance) == (True, 32, 128):
+        assert far == 91  # T5's encoder: 30 of the 64 tiles of 64 x 64 at 512 x 512 lie beyond it
 
 
 def _tiny(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
@@ -201,6 +232,10 @@ def test_config_validation_and_hf_round_trip():
         T5Config(attention_backend="cuda")
     with pytest.raises(ValueError, match="preset"):
         T5Config.from_preset("huge")
+    # inside the decoder's exact buckets (16 for 32 buckets) the log buckets would turn negative
+    with pytest.raises(ValueError, match="max_distance must exceed num_buckets / 2"):
+        T5Config(relative_attention_num_buckets=32, relative_attention_max_distance=10)
+    assert relative_position_bucket(torch.tensor([-200]), bidirectional=False, max_distance=10).item() < 0
     config = T5Config.from_preset("large", dropout_rate=0.1)
     assert (config.d_model, config.d_ff, config.num_layers, config.num_decoder_layers, config.num_heads) == (
         1024,

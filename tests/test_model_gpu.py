@@ -138,3 +138,35 @@ def test_gated_gelu_kernel_matches_torch(dtype, compiled):
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
         torch.testing.assert_close(out.float(), ref, **tol)
         torch.testing.assert_close(dh.float(), ref_dh, **tol)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_far_tiles_change_nothing(causal, dtype, monkeypatch):
+    """FAR_TILES with T5's own bias at 512 x 512: tiles wholly beyond the saturation distance read
+    one element instead of a tile; output and every gradient are the very same as with every tile read."""
+    from training.model.attention import (
+        bias_saturation_distance,
+        dense_bias,
+        packed_attention,
+        relative_position_bucket,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    b, s, h, d = 4, 512, 12, 64
+    far = bias_saturation_distance(not causal)
+    buckets = relative_position_bucket(torch.arange(-(s - 1), s, device="cuda"), not causal)
+    bias = dense_bias(torch.randn(32, h, device="cuda", generator=g)[buckets].t(), s, s)
+    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g).to(dtype)
+    key_mask = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    key_mask[0, 300:] = False
+    dout = torch.randn(b, s, h * d, device="cuda", generator=g).to(dtype)
+    results = []
+    for far_tiles in (False, True):
+        monkeypatch.setattr(ta, "FAR_TILES", far_tiles)
+        x, bb = qkv.clone().requires_grad_(), bias.clone().requires_grad_()
+        out = packed_attention(x, None, h, bb, key_mask, causal, "triton", bias_far=far)
+        out.backward(dout)
+        results.append((out.detach(), x.grad, bb.grad))
+    for name, dense_tiles, far_tiles in zip(("out", "dqkv", "dbias"), *results):
+        assert torch.equal(dense_tiles, far_tiles), name

@@ -16,7 +16,8 @@ bias gradient from its separate dbias kernel, or by atomic adds from the dQ kern
 dS that the dQ kernel writes; triton_attention.DBIAS_PATH), optcompiled|opteager
 (AdamWScale's update compiled or foreach kernels), bf16residual|fp32residual (T5Config.residual_dtype
 "autocast" or "float32"), torchgelu (the gated GELU as torch ops for inductor to fuse instead of
-training/model/triton_gated_gelu.py). Each variant
+training/model/triton_gated_gelu.py), fartiles (attention tiles wholly beyond the distance where
+T5's bias saturates skip their bias loads; triton_attention.FAR_TILES). Each variant
 prints one table row; --json appends one JSON object per variant to a file. The attention tiles
 come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
 """
@@ -50,7 +51,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", opt_compiled=args.optimizer_compiled,
-        residual_dtype=args.residual_dtype, triton_gelu=True,
+        residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=False,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "sdpa", "flex", "math"):
@@ -69,6 +70,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["opt_compiled"] = item == "optcompiled"
         elif item == "torchgelu":
             variant["triton_gelu"] = False
+        elif item == "fartiles":
+            variant["far_tiles"] = True
         elif item in ("bf16residual", "fp32residual"):
             variant["residual_dtype"] = "autocast" if item == "bf16residual" else "float32"
         else:
@@ -80,11 +83,13 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import triton_attention, triton_gated_gelu
 
     triton_attention.DBIAS_PATH = variant["dbias"]
+    triton_attention.FAR_TILES = variant["far_tiles"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     try:
         return _run_variant(variant, args, device)
     finally:
         triton_attention.DBIAS_PATH = "ds"
+        triton_attention.FAR_TILES = False
         triton_gated_gelu.ENABLED = True
 
 
@@ -180,34 +185,48 @@ def attention_microbenchmark(
     batch_size: int, seq: int, heads: int = 12, d_kv: int = 64, iters: int = 20
 ) -> None:
     """Time one encoder self-attention (bias + its gradient) per backend and bias path, from a packed
-    (batch, seq, 3 * heads * d_kv) projection output as the model runs it."""
+    (batch, seq, 3 * heads * d_kv) projection output as the model runs it. The "T5 bias" cases use
+    a bias made from T5's buckets (32, up to distance 128), with and without far tiles."""
     from training.model import triton_attention as ta
-    from training.model.attention import packed_attention
+    from training.model.attention import (
+        bias_saturation_distance,
+        dense_bias,
+        packed_attention,
+        relative_position_bucket,
+    )
 
     device = torch.device("cuda")
     qkv = torch.randn(
         batch_size, seq, 3 * heads * d_kv, device=device, dtype=torch.bfloat16, requires_grad=True
     )
     dense = torch.randn(heads, seq, seq, device=device, requires_grad=True)
+    buckets = relative_position_bucket(torch.arange(-(seq - 1), seq, device=device), True)
+    t5_bias = dense_bias(torch.randn(32, heads, device=device)[buckets].t(), seq, seq).requires_grad_()
+    far = bias_saturation_distance(True)
     dout = torch.randn(batch_size, seq, heads * d_kv, device=device, dtype=torch.bfloat16)
     flops = 4 * batch_size * heads * seq * seq * d_kv  # forward QK^T + PV; backward is 2.5x (recomputes QK^T)
-    cases = [  # (name, backend, bias, bias-gradient path of the triton kernels)
-        ("sdpa, dense bf16 bias", "sdpa", dense, "ds"),
-        ("triton, dbias kernel", "triton", dense, "kernel"),
-        ("triton, dbias from dS (default)", "triton", dense, "ds"),
-        ("triton, dbias by atomic adds", "triton", dense, "atomic"),
-        ("triton, no bias", "triton", None, "ds"),
+    cases = [  # (name, backend, bias, bias-gradient path of the triton kernels, far distance, far tiles)
+        ("triton, T5 bias (default)", "triton", t5_bias, "ds", far, False),
+        (f"triton, T5 bias, far tiles (from distance {far})", "triton", t5_bias, "ds", far, True),
+        ("triton, no bias", "triton", None, "ds", 0, False),
+        ("triton, random dense bias, dbias from dS (default)", "triton", dense, "ds", 0, False),
+        ("triton, random dense bias, dbias kernel", "triton", dense, "kernel", 0, False),
+        ("triton, random dense bias, dbias by atomic adds", "triton", dense, "atomic", 0, False),
+        ("sdpa, random dense bf16 bias", "sdpa", dense, "ds", 0, False),
     ]
-    for name, backend, bias, path in cases:
-        ta.DBIAS_PATH = path
+    for name, backend, bias, path, bias_far, far_tiles in cases:
+        ta.DBIAS_PATH, ta.FAR_TILES = path, far_tiles
         try:
             with torch.no_grad():
                 fwd = _time_cuda(
-                    lambda b=backend, x=bias: packed_attention(qkv, None, heads, x, None, False, b), iters
+                    lambda b=backend, x=bias, f=bias_far: packed_attention(
+                        qkv, None, heads, x, None, False, b, bias_far=f
+                    ),
+                    iters,
                 )
             total = _time_cuda(
-                lambda b=backend, x=bias: torch.autograd.backward(
-                    packed_attention(qkv, None, heads, x, None, False, b), dout
+                lambda b=backend, x=bias, f=bias_far: torch.autograd.backward(
+                    packed_attention(qkv, None, heads, x, None, False, b, bias_far=f), dout
                 ),
                 iters,
             )
@@ -217,7 +236,7 @@ def attention_microbenchmark(
         except Exception as e:  # noqa: BLE001
             print(f"# {name}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            ta.DBIAS_PATH = "ds"
+            ta.DBIAS_PATH, ta.FAR_TILES = "ds", False
 
 
 def main(argv: list[str] | None = None) -> None:

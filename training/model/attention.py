@@ -22,6 +22,7 @@ Backends (`T5Config.attention_backend`):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -59,6 +60,27 @@ def relative_position_bucket(
     )
     large = large.clamp(max=num_buckets - 1)
     return buckets + torch.where(is_small, distance, large)
+
+
+@functools.cache
+def bias_saturation_distance(bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> int:
+    """The smallest d such that every |key - query| >= d falls in the last bucket of its direction,
+    so that T5's bias is one value per head there (91 for T5's encoder, 113 for its decoder; in the
+    decoder, keys after the query all share bucket 0 anyway). The fused kernel skips the bias loads
+    of tiles wholly beyond it (`triton_attention.FAR_TILES`). 0 (no promise) when max_distance does
+    not exceed the exact buckets' range: the log buckets then do not end at max_distance."""
+    max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    if max_distance <= max_exact:
+        return 0
+    distance = torch.arange(max_distance + 1, device="cpu")  # also under a meta default device
+    sides = [distance, -distance] if bidirectional else [-distance]
+    far = 0
+    for relative in sides:
+        buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+        # buckets never decrease with the distance and stay at the last from max_distance on
+        below_last = (buckets != buckets[-1]).nonzero()
+        far = max(far, int(below_last.max()) + 1 if below_last.numel() else 0)
+    return max(far, 1)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -133,13 +155,15 @@ def packed_attention(
     causal: bool,
     backend: str,
     dropout_p: float = 0.0,
+    bias_far: int = 0,
 ) -> torch.Tensor:
     """`attention` on the fused projection outputs, (b, sq, heads * d) out.
 
     Self-attention: q_src (b, s, 3 * heads * d) = [q | k | v], kv_src None. Cross-attention: q_src
     (b, sq, heads * d), kv_src (b, sk, 2 * heads * d) = [k | v]. The fused kernel reads the sources
     with strides and its backward writes each source's gradient as one tensor; other backends get
-    q/k/v views.
+    q/k/v views. bias_far: `bias_saturation_distance` of a T5 bias (0 for any other bias), which the
+    fused kernel may use to skip loads.
     """
     b, sq, width = q_src.shape
     if kv_src is None:
@@ -150,7 +174,7 @@ def packed_attention(
     chosen = _choose_backend(backend, q_src.device, causal, sq, sk, dropout_p)
     if chosen == "triton":
         kv = None if kv_src is q_src else kv_src
-        return triton_attention.t5_flash_attention_packed(q_src, kv, heads, bias, key_mask, causal)
+        return triton_attention.t5_flash_attention_packed(q_src, kv, heads, bias, key_mask, causal, bias_far)
     q = q_src[..., :hd].unflatten(-1, (heads, hd // heads))
     k = kv_src[..., k_at : k_at + hd].unflatten(-1, (heads, hd // heads))
     v = kv_src[..., k_at + hd : k_at + 2 * hd].unflatten(-1, (heads, hd // heads))

@@ -94,9 +94,11 @@ class T5Config:
                 "T5Config.relative_attention_num_buckets must be an even int >= 4 (T5 uses 32), "
                 f"got {self.relative_attention_num_buckets}"
             )
-        if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 4:
+        if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
+            # the decoder's exact buckets cover distances below num_buckets / 2; a max_distance inside
+            # them turns its log buckets negative (an index error in the bias table at longer inputs)
             raise ValueError(
-                "T5Config.relative_attention_max_distance must exceed num_buckets / 4 (T5 uses 128), "
+                "T5Config.relative_attention_max_distance must exceed num_buckets / 2 (T5 uses 128), "
                 f"got {self.relative_attention_max_distance}"
             )
         if not 0.0 <= self.dropout_rate < 1.0:

@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.model.attention import attention, dense_bias, packed_attention, relative_position_bucket
+from training.model.attention import (
+    attention,
+    bias_saturation_distance,
+    dense_bias,
+    packed_attention,
+    relative_position_bucket,
+)
 from training.model.config import T5Config
 from training.model.cross_entropy import fused_linear_cross_entropy
 from training.model.triton_gated_gelu import gated_gelu_packed
@@ -81,6 +87,10 @@ class T5Attention(nn.Module):
             )
         self.dropout_rate = config.dropout_rate
         self.backend = config.attention_backend
+        # From which |key - query| T5's relative bias is one value per head, for encoder (bidirectional)
+        # and decoder (causal) self-attention; plain ints, so torch.compile sees constants.
+        buckets = (config.relative_attention_num_buckets, config.relative_attention_max_distance)
+        self.bias_far = {causal: bias_saturation_distance(not causal, *buckets) for causal in (False, True)}
 
     def forward(
         self,
@@ -102,8 +112,11 @@ class T5Attention(nn.Module):
             kv_src = None if cached_kv else F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
             q_src = self.q(x)
         if cache is None:  # training / scoring: attention reads the fused projection outputs as they are
+            # The stack's bias is T5's relative one (queries from position 0 here): constant per head
+            # from this distance on, which the fused kernel can use.
+            far = self.bias_far[causal] if bias is not None else 0
             out = packed_attention(
-                q_src, kv_src, self.n_heads, bias, key_mask, causal, self.backend, dropout_p
+                q_src, kv_src, self.n_heads, bias, key_mask, causal, self.backend, dropout_p, far
             )
             return self.o(out)
         # Incremental decoding: keys/values are appended to (self) or read from (cross) the cache.

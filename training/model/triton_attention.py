@@ -86,13 +86,25 @@ if _HAS_TRITON:
         return tl.dot(a, b)
 
     @triton.jit
-    def _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS: tl.constexpr):
+    def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.constexpr,
+                   FAR_TILES: tl.constexpr):
         """(BM, BN) fp32 tile of the (H, SQ, SK) bias, already in base-2 units (the host multiplies it
-        by log2(e)). The bias is shared by the batch: the tile comes from L2. (A relative bias, one
-        (H, SQ + SK - 1) row per head gathered in the kernel, measured slower: see docs/model.md.)"""
+        by log2(e)), for queries m0.. and keys n0... The bias is shared by the batch: the tile comes
+        from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
+        slower: see docs/model.md.) FAR_TILES: the caller promises that the bias is one value per head
+        wherever key - query >= FAR, and one wherever query - key >= FAR (T5's last buckets); a tile
+        wholly inside either region reads one element and loads nothing else."""
         if HAS_BIAS:
             inside = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
-            return tl.load(BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], mask=inside, other=0.0)
+            ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
+            if FAR_TILES:
+                near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
+                corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0)  # (m0, n0) is inside every tile
+                rows = tl.where(near, SQ, 0)  # a far tile loads no row: every element is `other`
+                inside = (offs_m[:, None] < rows) & (offs_n[None, :] < SK)
+                return tl.load(ptrs, mask=inside, other=tl.where(near, 0.0, corner))
+            else:
+                return tl.load(ptrs, mask=inside, other=0.0)
         else:
             return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
 
@@ -136,8 +148,8 @@ if _HAS_TRITON:
 
     @triton.jit
     def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OFF, V_OFF,
-                    H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                    H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
+                    HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                     IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
         pid_m = tl.program_id(0)
@@ -156,7 +168,7 @@ if _HAS_TRITON:
         for start_n in range(0, end_n, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-            bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS)
+            bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
             s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
                         EVEN_N, IEEE)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -195,8 +207,8 @@ if _HAS_TRITON:
     @triton.jit
     def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV,
                          sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
-                         H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                         HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                         H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
+                         HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
                          CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
         """dK, dV of one key block of one (batch, head): walks all query blocks. Both land in DKV, laid
@@ -218,7 +230,7 @@ if _HAS_TRITON:
             offs_m = sm + tl.arange(0, BLOCK_M)
             q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
             do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-            bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS)
+            bias = _bias_tile(BIAS, h, sm, pid_n * BLOCK_N, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
             p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                        CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
             dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
@@ -231,8 +243,8 @@ if _HAS_TRITON:
     @triton.jit
     def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
                        sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
-                       H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                       HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                       H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
+                       HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
                        CAUSAL: tl.constexpr, IEEE: tl.constexpr, DS_MODE: tl.constexpr, D: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
         """dQ of one query block of one (batch, head): walks all key blocks. DS_MODE 1: also stores
@@ -254,7 +266,7 @@ if _HAS_TRITON:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
             vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-            bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS)
+            bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
             p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                        CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
             if DS_MODE == 1:
@@ -286,7 +298,7 @@ if _HAS_TRITON:
         if CAUSAL:  # tiles wholly above the diagonal have no gradient
             visible = pid_n * BLOCK_N <= pid_m * BLOCK_M + BLOCK_M - 1 + CAUSAL_OFFSET
         if visible:
-            bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, True)  # the same for every b
+            bias = _bias_tile(BIAS, h, 0, 0, offs_m, offs_n, SQ, SK, 0, True, False)  # the same for every b
             for b in range(0, B):
                 q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
                 do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
@@ -300,10 +312,17 @@ if _HAS_TRITON:
     # fmt: on
 
 
-def _flags(q_src: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor) -> dict:
+# Far tiles (benchmark variant `fartiles`): with a bias that says from which distance it is constant
+# (T5's, through `far`), tiles wholly beyond that distance skip their bias loads. Off by default
+# until measured on a GPU (docs/model.md).
+FAR_TILES = False
+
+
+def _flags(q_src: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor, far: int) -> dict:
     return dict(
         HAS_BIAS=bias.numel() > 0, HAS_MASK=key_mask.numel() > 0,
         IEEE=q_src.dtype == torch.float32,
+        FAR_TILES=FAR_TILES and far > 0 and bias.numel() > 0, FAR=far if FAR_TILES else 0,
     )  # fmt: skip
 
 
@@ -330,13 +349,14 @@ def _layout(q_src: torch.Tensor, kv_src: torch.Tensor, heads: int) -> tuple[torc
     return kv_src, hd // heads, 0, hd
 
 
-def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, wrap=lambda kernel: kernel):
-    """out (B, SQ, H * D) and the row statistics (2, B, H, SQ) for the backward."""
+def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: int = 0, wrap=lambda kernel: kernel):
+    """out (B, SQ, H * D) and the row statistics (2, B, H, SQ) for the backward. far > 0: the bias is
+    constant per head and direction wherever |key - query| >= far (see _bias_tile)."""
     kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
     out = torch.empty((B, SQ, H * D), dtype=q_src.dtype, device=q_src.device)
     lse = torch.empty((2, B, H, SQ), dtype=torch.float32, device=q_src.device)  # row max (base 2), 1/row sum
-    flags = _flags(q_src, bias, key_mask)
+    flags = _flags(q_src, bias, key_mask, far)
     kbias = _kernel_bias(bias)
     grid = (triton.cdiv(SQ, FWD_BLOCK_M), B * H)
     wrap(_fwd_kernel)[grid](
@@ -358,13 +378,13 @@ DBIAS_PATH = "ds"
 
 
 def _launch_bwd(
-    q_src, kv_src, bias, key_mask, out, lse, dout, causal: bool, heads: int, wrap=lambda kernel: kernel
+    q_src, kv_src, bias, key_mask, out, lse, dout, causal: bool, heads: int, far: int = 0, wrap=lambda kernel: kernel
 ):
     """Gradients of the sources (each one buffer, laid out like its source; an empty kv_src gets an
     empty gradient) and of the (H, SQ, SK) bias."""
     kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
-    flags = _flags(q_src, bias, key_mask)
+    flags = _flags(q_src, bias, key_mask, far)
     kbias = _kernel_bias(bias)
     dout = dout.contiguous()
     # rowsum(dO * O) per query row, (B, H, SQ)
@@ -424,8 +444,9 @@ if _HAS_TRITON and hasattr(torch.library, "triton_op"):
         key_mask: torch.Tensor,
         causal: bool,
         heads: int,
+        far: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads, wrap=wrap_triton)
+        return _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads, far, wrap=wrap_triton)
 
     @triton_op("t5ds::flash_attention_bwd", mutates_args={})
     def _flash_bwd_op(
@@ -438,52 +459,54 @@ if _HAS_TRITON and hasattr(torch.library, "triton_op"):
         dout: torch.Tensor,
         causal: bool,
         heads: int,
+        far: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _launch_bwd(q_src, kv_src, bias, key_mask, out, lse, dout, causal, heads, wrap=wrap_triton)
+        return _launch_bwd(q_src, kv_src, bias, key_mask, out, lse, dout, causal, heads, far, wrap=wrap_triton)
 
     def _setup_context(ctx, inputs, output):
-        q_src, kv_src, bias, key_mask, causal, heads = inputs
+        q_src, kv_src, bias, key_mask, causal, heads, far = inputs
         ctx.save_for_backward(q_src, kv_src, bias, key_mask, *output)
-        ctx.causal, ctx.heads = causal, heads
+        ctx.causal, ctx.heads, ctx.far = causal, heads, far
 
     def _backward(ctx, dout, dlse):
         q_src, kv_src, bias, key_mask, out, lse = ctx.saved_tensors
         dq_src, dkv_src, dbias = _flash_bwd_op(
-            q_src, kv_src, bias, key_mask, out, lse, dout, ctx.causal, ctx.heads
+            q_src, kv_src, bias, key_mask, out, lse, dout, ctx.causal, ctx.heads, ctx.far
         )
         return _grads_or_none(kv_src, bias, dq_src, dkv_src, dbias)
 
     _flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
-    def _fwd(q_src, kv_src, bias, key_mask, causal, heads):
-        return _flash_fwd_op(q_src, kv_src, bias, key_mask, causal, heads)
+    def _fwd(q_src, kv_src, bias, key_mask, causal, heads, far):
+        return _flash_fwd_op(q_src, kv_src, bias, key_mask, causal, heads, far)
 
 elif _HAS_TRITON:  # older torch: a plain autograd.Function (graph break under torch.compile)
 
     class _FlashFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q_src, kv_src, bias, key_mask, causal, heads):
-            out, lse = _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads)
+        def forward(ctx, q_src, kv_src, bias, key_mask, causal, heads, far):
+            out, lse = _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads, far)
             ctx.save_for_backward(q_src, kv_src, bias, key_mask, out, lse)
-            ctx.causal, ctx.heads = causal, heads
+            ctx.causal, ctx.heads, ctx.far = causal, heads, far
             return out, lse
 
         @staticmethod
         def backward(ctx, dout, dlse):
             q_src, kv_src, bias, key_mask, out, lse = ctx.saved_tensors
-            grads = _launch_bwd(q_src, kv_src, bias, key_mask, out, lse, dout, ctx.causal, ctx.heads)
+            grads = _launch_bwd(q_src, kv_src, bias, key_mask, out, lse, dout, ctx.causal, ctx.heads, ctx.far)
             return _grads_or_none(kv_src, bias, *grads)
 
-    def _fwd(q_src, kv_src, bias, key_mask, causal, heads):
-        return _FlashFunction.apply(q_src, kv_src, bias, key_mask, causal, heads)
+    def _fwd(q_src, kv_src, bias, key_mask, causal, heads, far):
+        return _FlashFunction.apply(q_src, kv_src, bias, key_mask, causal, heads, far)
 
 
 def _grads_or_none(kv_src, bias, dq_src, dkv_src, dbias):
-    """Autograd's gradient tuple for (q_src, kv_src, bias, key_mask, causal, heads)."""
+    """Autograd's gradient tuple for (q_src, kv_src, bias, key_mask, causal, heads, far)."""
     return (
         dq_src,
         dkv_src if kv_src.numel() > 0 else None,
         dbias if bias.numel() > 0 else None,
+        None,
         None,
         None,
         None,
@@ -515,6 +538,7 @@ def t5_flash_attention_packed(
     bias: torch.Tensor | None,
     key_mask: torch.Tensor | None,
     causal: bool,
+    bias_far: int = 0,
 ) -> torch.Tensor:
     """Fused attention read straight from the projection outputs, (B, SQ, H * D) out.
 
@@ -522,6 +546,9 @@ def t5_flash_attention_packed(
     (B, SQ, H D), kv_src (B, SK, 2 H D) = [k | v]. The bias is (H, SQ, SK) fp32 (a relative one
     is expanded by the caller, `attention.dense_bias`). The backward returns each source's gradient
     as one tensor (the kernels write dq, dk, dv into it; autograd has no concatenation to do).
+    bias_far > 0 promises that the bias is constant per head wherever key - query >= bias_far and
+    wherever query - key >= bias_far (`attention.bias_saturation_distance`); with FAR_TILES on, tiles
+    wholly inside those regions then skip their bias loads. 0: no promise.
     """
     _check_supported(q_src.shape[-1] // (3 if kv_src is None else 1) // heads)
     q_src = _kernel_ready(q_src)
@@ -533,7 +560,7 @@ def t5_flash_attention_packed(
         else key_mask.to(torch.uint8).contiguous()
     )
     with torch.autocast(device_type=q_src.device.type, enabled=False):
-        out, _ = _fwd(q_src, kv_src, bias, key_mask, causal, heads)
+        out, _ = _fwd(q_src, kv_src, bias, key_mask, causal, heads, bias_far)
     return out
 
 
