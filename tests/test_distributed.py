@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.test_checkpoint import _free_port, _init_dist
@@ -68,8 +69,6 @@ def test_shutdown_frees_the_gloo_threads_before_exit(tmp_path):
     """A gloo group alive at interpreter exit can abort the process after a finished run (the
     flaky "exit -6" of a 2-rank run): shutdown_distributed must leave no gloo thread behind."""
     if not Path("/proc/self/task").is_dir():
-        import pytest
-
         pytest.skip("counts threads through /proc (Linux)")
     torch.multiprocessing.spawn(_shutdown_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):

@@ -44,6 +44,8 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ALL KERNEL CHECKS PASSED" in proc.stdout
-    # every bias-gradient path was exercised, in the kernels and in the model
+    # every bias-gradient path was exercised, in the kernels and in the model, and the far tiles
     for path in ("ds", "atomic", "kernel"):
         assert f"tiny T5 loss, triton attention (bias gradient path {path})" in proc.stdout
+    assert "tiny T5 loss, triton attention (bias gradient path ds, far tiles)" in proc.stdout
+    assert proc.stdout.count("with and without far tiles") == 18  # 3 shapes x 2 paths x 3 tensors
