@@ -1,4 +1,5 @@
-"""Shared fixtures: paths to the bundled real data (assets/), used by every test."""
+"""Shared fixtures: paths to the bundled real data (assets/), used by every test; the in-process
+process group some tests start is shut down before pytest exits."""
 
 from pathlib import Path
 
@@ -29,3 +30,16 @@ def c4_train_path() -> Path:
 @pytest.fixture(scope="session")
 def c4_validation_path() -> Path:
     return C4_VALIDATION
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests that need a world-size-1 group keep one in this process (tests/test_checkpoint.py's
+    `dist1`); freed here, not at interpreter exit, where a gloo worker thread can abort the process
+    after the results are printed (training/distributed.py, shutdown_distributed)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from training.distributed import shutdown_distributed
+
+        shutdown_distributed()

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from training import checkpoint as checkpoint_module
 from training.checkpoint import CheckpointManager, step_dirname
 from training.config import load_run_config
+from training.distributed import shutdown_distributed
 from training.ds_config import resolve_ds_config
 
 IN_DIM, HIDDEN, OUT_DIM = 8, 16, 4
@@ -264,7 +265,7 @@ def _two_rank_worker(rank: int, world_size: int, port: int, out_dir: str) -> Non
         step, state = manager.load(fresh, found)
         assert step == 3 and state["rank"] == rank
         assert _train(fresh, 3, 2, rank=rank) == reference
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,13 @@ from tests.test_checkpoint import _free_port, _init_dist
 
 
 def _worker(rank: int, world_size: int, port: int, out: str) -> None:
-    from training.distributed import all_reduce_max, all_reduce_sum
+    from training.distributed import all_reduce_max, all_reduce_sum, shutdown_distributed
 
     _init_dist(rank, world_size, port)
     cpu = torch.device("cpu")
     result = {"sum": all_reduce_sum([rank + 0.5, 2.0**40 + rank], cpu), "max": all_reduce_max(10.0 - 3 * rank, cpu)}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 def test_sum_and_max_agree_on_every_rank(tmp_path):

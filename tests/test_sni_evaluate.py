@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from training.distributed import shutdown_distributed
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model.hf_compat import save_hf_directory
 from training.sni.encoding import SNITokenizer
@@ -125,7 +126,7 @@ def _spawned_eval(rank, world_size, port, out_dir, model_path):
         )
         Path(f"{out_dir}/metrics_rank{rank}.json").write_text(json.dumps(metrics))
     finally:
-        torch.distributed.destroy_process_group()
+        shutdown_distributed()
 
 
 def _free_port():

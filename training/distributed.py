@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -126,14 +127,12 @@ def shutdown_distributed() -> None:
     global _control_group
     _control_group = None
     if dist.is_initialized():
-        import deepspeed.comm
-
-        if deepspeed.comm.is_initialized():
-            deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached world group
+        deepspeed_comm = sys.modules.get("deepspeed.comm")  # only where DeepSpeed is in use
+        if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+            deepspeed_comm.destroy_process_group()  # also drops DeepSpeed's cached world group
         else:
             dist.destroy_process_group()
-        from deepspeed.utils import groups as deepspeed_groups
-
+        deepspeed_groups = sys.modules.get("deepspeed.utils.groups")
         if getattr(deepspeed_groups, "_WORLD_GROUP", None) is not None:  # DeepSpeed versions that keep it
             deepspeed_groups._WORLD_GROUP = None
     gc.collect()  # groups held only by reference cycles (an engine, say) are freed here, not at exit

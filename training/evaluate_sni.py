@@ -143,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
         print(f"wrote {out / 'predictions.jsonl'} and {out / 'metrics.json'}")
     if world_size > 1:
-        import torch.distributed as dist
+        from training.distributed import shutdown_distributed
 
-        dist.destroy_process_group()
+        shutdown_distributed()
     return 0
 
 
