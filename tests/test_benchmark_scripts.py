@@ -102,7 +102,7 @@ def test_reshard_resume_script_on_cpu(shards, tmp_path):
 def test_model_benchmark_variant_items_parse():
     """Every variant item of `python -m training.benchmark --variants` sets what its docstring says,
     on top of the command-line defaults; an unknown item stops with its name."""
-    from training.benchmark import main, parse_variant
+    from training.benchmark import main, parse_variant, variant_label
 
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
@@ -113,6 +113,10 @@ def test_model_benchmark_variant_items_parse():
                      far_tiles=True)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and not default["far_tiles"]
+    # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
+    labels = {item: variant_label(parse_variant(item, args)) for item in
+              ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles")}  # fmt: skip
+    assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     with pytest.raises(SystemExit, match="fast"):
         parse_variant("triton,fast", args)

@@ -33,6 +33,7 @@ import time
 import torch
 
 from training.model import T5Config, T5ForConditionalGeneration
+from training.model.config import RESIDUAL_DTYPES
 from training.model.flops import measure_matmul_tflops, model_flops_per_step
 
 
@@ -77,6 +78,17 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
+
+
+def variant_label(v: dict) -> str:
+    """The table row's first column: the attention backend and every kernel/optimizer/dtype choice
+    that differs from the default path."""
+    notes = [] if v["dbias"] == "ds" else [f"dbias {v['dbias']}"]
+    notes += ["opt compiled"] if v["opt_compiled"] else []
+    notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
+    notes += [] if v["triton_gelu"] else ["torch GELU"]
+    notes += ["far tiles"] if v["far_tiles"] else []
+    return ", ".join([v["attention"], *notes])
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -256,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="fail on a graph break instead of silently splitting the step")  # fmt: skip
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--optimizer", default="adamwscale", choices=["adamwscale", "adamw"])
-    parser.add_argument("--residual-dtype", default="float32", choices=["float32", "autocast"],
+    parser.add_argument("--residual-dtype", default="float32", choices=RESIDUAL_DTYPES,
                         help="T5Config.residual_dtype (autocast: bf16 hidden states between blocks)")  # fmt: skip
     parser.add_argument("--optimizer-compiled", action=argparse.BooleanOptionalAction, default=True,
                         help="AdamWScale(compiled=True), as the run config's optim.compile")  # fmt: skip
@@ -301,12 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
             r = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
         v = variant
-        notes = [] if v["dbias"] == "ds" else [f"dbias {v['dbias']}"]
-        notes += ["opt compiled"] if v["opt_compiled"] else []
-        notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
-        notes += [] if v["triton_gelu"] else ["torch GELU"]
         compiled = ("yes " + v["mode"]).strip() if v["compile"] else "no"
-        head = f"| {', '.join([v['attention'], *notes])} | {compiled} | "
+        head = f"| {variant_label(v)} | {compiled} | "
         head += f"{'yes' if v['fused_ce'] else 'no'} | {v['batch_size']} |"
         if "error" in r:
             print(f"{head} {r['error']} | | | | {r.get('peak_gib', 0):.1f} | | |", flush=True)

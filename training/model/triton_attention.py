@@ -319,10 +319,11 @@ FAR_TILES = False
 
 
 def _flags(q_src: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor, far: int) -> dict:
+    far_tiles = FAR_TILES and far > 0 and bias.numel() > 0
     return dict(
         HAS_BIAS=bias.numel() > 0, HAS_MASK=key_mask.numel() > 0,
         IEEE=q_src.dtype == torch.float32,
-        FAR_TILES=FAR_TILES and far > 0 and bias.numel() > 0, FAR=far if FAR_TILES else 0,
+        FAR_TILES=far_tiles, FAR=far if far_tiles else 0,
     )  # fmt: skip
 
 
