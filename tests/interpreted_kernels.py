@@ -96,9 +96,10 @@ def check_attention() -> None:
 
 
 def check_far_tiles() -> None:
-    """FAR_TILES with a T5 bias (8 buckets up to distance 16, so that it saturates within these
-    lengths): tiles wholly beyond the saturation distance read one element instead of a tile, which
-    must give the very same outputs and gradients as reading every tile."""
+    """FAR_TILES (every kernel) with a T5 bias (8 buckets up to distance 16, so that it saturates
+    within these lengths): tiles wholly beyond the saturation distance read one element instead of a
+    tile, which must give the very same outputs and gradients as reading every tile."""
+    default_far = ta.FAR_TILES
     heads, d, b = 2, 16, 2
     for sq, causal, padded in [(64, False, True), (48, True, False), (64, True, True)]:
         far = bias_saturation_distance(not causal, 8, 16)
@@ -114,7 +115,7 @@ def check_far_tiles() -> None:
         dout = torch.randn(b, sq, heads * d)
         results = {}
         for far_tiles in (False, True):
-            ta.FAR_TILES = far_tiles
+            ta.FAR_TILES = ta.FAR_TILE_KERNELS if far_tiles else ()
             out, lse = ta._launch_fwd(qkv, q.new_empty((0,)), bias, key_mask, causal, heads, far)
             for path in ("ds", "atomic"):
                 ta.DBIAS_PATH = path
@@ -122,7 +123,7 @@ def check_far_tiles() -> None:
                     qkv, q.new_empty((0,)), bias, key_mask, out, lse, dout, causal, heads, far
                 )
                 results[far_tiles, path] = (out, dqkv, dbias)
-        ta.FAR_TILES, ta.DBIAS_PATH = False, "ds"
+        ta.FAR_TILES, ta.DBIAS_PATH = default_far, "ds"
         tag = f"far tiles {sq}x{sq} causal={causal} padded={padded} (saturated from {far})"
         for path in ("ds", "atomic"):
             for name, on, off in zip(("out", "dq|dk|dv", "dbias"), results[True, path], results[False, path]):
@@ -192,14 +193,15 @@ def check_model() -> None:
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ref_loss, ref_grads = run("math")
+    default_far = ta.FAR_TILES
     for path, far_tiles in [(path, False) for path in ta.DBIAS_PATHS] + [("ds", True)]:
-        ta.DBIAS_PATH, ta.FAR_TILES = path, far_tiles
+        ta.DBIAS_PATH, ta.FAR_TILES = path, ta.FAR_TILE_KERNELS if far_tiles else ()
         loss, grads = run("triton")
         tag = f"bias gradient path {path}" + (", far tiles" if far_tiles else "")
         _check(f"tiny T5 loss, triton attention ({tag})", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
         _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)
-    ta.DBIAS_PATH, ta.FAR_TILES = "ds", False
+    ta.DBIAS_PATH, ta.FAR_TILES = "ds", default_far
 
 
 def main() -> None:

@@ -103,6 +103,7 @@ def test_model_benchmark_variant_items_parse():
     """Every variant item of `python -m training.benchmark --variants` sets what its docstring says,
     on top of the command-line defaults; an unknown item stops with its name."""
     from training.benchmark import main, parse_variant, variant_label
+    from training.model import triton_attention as ta
 
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
@@ -110,12 +111,17 @@ def test_model_benchmark_variant_items_parse():
                       "fartiles", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
-                     far_tiles=True)  # fmt: skip
+                     far_tiles=("fwd", "dq", "dkdv"))  # fmt: skip
     default = parse_variant("", args)
-    assert default["opt_compiled"] and default["triton_gelu"] and not default["far_tiles"]
+    assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
+    assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
+    assert parse_variant("nofartiles", args)["far_tiles"] == ()
+    with pytest.raises(SystemExit, match="fwd"):
+        parse_variant("fartiles=bwd", args)
     # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
     labels = {item: variant_label(parse_variant(item, args)) for item in
-              ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles")}  # fmt: skip
+              ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
+               "nofartiles" if ta.FAR_TILES else "fartiles=fwd")}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     with pytest.raises(SystemExit, match="fast"):

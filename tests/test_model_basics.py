@@ -77,6 +77,24 @@ def test_bias_saturation_distance_is_where_the_buckets_stop_changing(bidirection
         assert far == 91  # T5's encoder: 30 of the 64 tiles of 64 x 64 at 512 x 512 lie beyond it
 
 
+def test_far_tiles_flags_per_kernel(monkeypatch):
+    """FAR_TILES names the kernels that skip far tiles' bias loads: each kernel launch gets the flag
+    (and the distance) only when named, only with a bias and a promise; a misspelt name stops with
+    the valid ones instead of silently reading every tile."""
+    from training.model import triton_attention as ta
+
+    q, bias, none = torch.zeros(1, 2, 3), torch.zeros(1, 2, 2), torch.zeros(0)
+    monkeypatch.setattr(ta, "FAR_TILES", ("fwd", "dkdv"))
+    flags = {k: ta._flags(q, bias, none, 91, k) for k in ta.FAR_TILE_KERNELS}
+    assert {k: (f["FAR_TILES"], f["FAR"]) for k, f in flags.items()} == {
+        "fwd": (True, 91), "dq": (False, 0), "dkdv": (True, 91)}  # fmt: skip
+    assert not ta._flags(q, bias, none, 0, "fwd")["FAR_TILES"]  # no promise
+    assert not ta._flags(q, none, none, 91, "fwd")["FAR_TILES"]  # no bias
+    monkeypatch.setattr(ta, "FAR_TILES", ("fwd", "bwd"))
+    with pytest.raises(ValueError, match="dkdv"):
+        ta._flags(q, bias, none, 91, "fwd")
+
+
 def _tiny(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
     return T5ForConditionalGeneration(

@@ -16,8 +16,9 @@ bias gradient from its separate dbias kernel, or by atomic adds from the dQ kern
 dS that the dQ kernel writes; triton_attention.DBIAS_PATH), optcompiled|opteager
 (AdamWScale's update compiled or foreach kernels), bf16residual|fp32residual (T5Config.residual_dtype
 "autocast" or "float32"), torchgelu (the gated GELU as torch ops for inductor to fuse instead of
-training/model/triton_gated_gelu.py), fartiles (attention tiles wholly beyond the distance where
-T5's bias saturates skip their bias loads; triton_attention.FAR_TILES). Each variant
+training/model/triton_gated_gelu.py), fartiles | fartiles=fwd+dq+dkdv | nofartiles (tiles wholly
+beyond the distance where T5's bias saturates skip their bias loads, in every attention kernel, in
+the ones named, or in none; triton_attention.FAR_TILES). Each variant
 prints one table row; --json appends one JSON object per variant to a file. The attention tiles
 come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
 """
@@ -49,10 +50,12 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
+    from training.model.triton_attention import FAR_TILES
+
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", opt_compiled=args.optimizer_compiled,
-        residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=False,
+        residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "sdpa", "flex", "math"):
@@ -71,13 +74,27 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["opt_compiled"] = item == "optcompiled"
         elif item == "torchgelu":
             variant["triton_gelu"] = False
-        elif item == "fartiles":
-            variant["far_tiles"] = True
+        elif item == "nofartiles":
+            variant["far_tiles"] = ()
+        elif item == "fartiles" or item.startswith("fartiles="):
+            variant["far_tiles"] = _far_tile_kernels(item, spec)
         elif item in ("bf16residual", "fp32residual"):
             variant["residual_dtype"] = "autocast" if item == "bf16residual" else "float32"
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
+
+
+def _far_tile_kernels(item: str, spec: str) -> tuple[str, ...]:
+    """`fartiles` = far tiles in every attention kernel; `fartiles=fwd+dq` = in the ones named."""
+    from training.model.triton_attention import FAR_TILE_KERNELS
+
+    if item == "fartiles":
+        return FAR_TILE_KERNELS
+    kernels = tuple(item.split("=", 1)[1].split("+"))
+    if not kernels or not set(kernels) <= set(FAR_TILE_KERNELS):
+        raise SystemExit(f"{item!r} in {spec!r}: name kernels among {'+'.join(FAR_TILE_KERNELS)}")
+    return kernels
 
 
 def variant_label(v: dict) -> str:
@@ -87,13 +104,14 @@ def variant_label(v: dict) -> str:
     notes += ["opt compiled"] if v["opt_compiled"] else []
     notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
     notes += [] if v["triton_gelu"] else ["torch GELU"]
-    notes += ["far tiles"] if v["far_tiles"] else []
+    notes += [f"far tiles {'+'.join(v['far_tiles'])}" if v["far_tiles"] else "no far tiles"]
     return ", ".join([v["attention"], *notes])
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
     from training.model import triton_attention, triton_gated_gelu
 
+    default_far = triton_attention.FAR_TILES
     triton_attention.DBIAS_PATH = variant["dbias"]
     triton_attention.FAR_TILES = variant["far_tiles"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
@@ -101,7 +119,7 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
         return _run_variant(variant, args, device)
     finally:
         triton_attention.DBIAS_PATH = "ds"
-        triton_attention.FAR_TILES = False
+        triton_attention.FAR_TILES = default_far
         triton_gated_gelu.ENABLED = True
 
 
@@ -217,15 +235,17 @@ def attention_microbenchmark(
     far = bias_saturation_distance(True)
     dout = torch.randn(batch_size, seq, heads * d_kv, device=device, dtype=torch.bfloat16)
     flops = 4 * batch_size * heads * seq * seq * d_kv  # forward QK^T + PV; backward is 2.5x (recomputes QK^T)
-    cases = [  # (name, backend, bias, bias-gradient path of the triton kernels, far distance, far tiles)
-        ("triton, T5 bias (default)", "triton", t5_bias, "ds", far, False),
-        (f"triton, T5 bias, far tiles (from distance {far})", "triton", t5_bias, "ds", far, True),
-        ("triton, no bias", "triton", None, "ds", 0, False),
-        ("triton, random dense bias, dbias from dS (default)", "triton", dense, "ds", 0, False),
-        ("triton, random dense bias, dbias kernel", "triton", dense, "kernel", 0, False),
-        ("triton, random dense bias, dbias by atomic adds", "triton", dense, "atomic", 0, False),
-        ("sdpa, random dense bf16 bias", "sdpa", dense, "ds", 0, False),
-    ]
+    default_far = ta.FAR_TILES
+    cases = [  # (name, backend, bias, bias-gradient path of the triton kernels, far distance, far-tile kernels)
+        ("triton, T5 bias, no far tiles", "triton", t5_bias, "ds", far, ()),
+        *[(f"triton, T5 bias, far tiles (from distance {far}) in {'+'.join(kernels)}", "triton", t5_bias,
+           "ds", far, kernels) for kernels in [("fwd",), ("dq",), ("dkdv",), ta.FAR_TILE_KERNELS]],
+        ("triton, no bias", "triton", None, "ds", 0, ()),
+        ("triton, random dense bias, dbias from dS (default)", "triton", dense, "ds", 0, ()),
+        ("triton, random dense bias, dbias kernel", "triton", dense, "kernel", 0, ()),
+        ("triton, random dense bias, dbias by atomic adds", "triton", dense, "atomic", 0, ()),
+        ("sdpa, random dense bf16 bias", "sdpa", dense, "ds", 0, ()),
+    ]  # fmt: skip
     for name, backend, bias, path, bias_far, far_tiles in cases:
         ta.DBIAS_PATH, ta.FAR_TILES = path, far_tiles
         try:
@@ -248,7 +268,7 @@ def attention_microbenchmark(
         except Exception as e:  # noqa: BLE001
             print(f"# {name}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            ta.DBIAS_PATH, ta.FAR_TILES = "ds", False
+            ta.DBIAS_PATH, ta.FAR_TILES = "ds", default_far
 
 
 def main(argv: list[str] | None = None) -> None:
