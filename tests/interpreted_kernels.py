@@ -99,8 +99,7 @@ def check_far_tiles() -> None:
     """FAR_TILES (every kernel) with a T5 bias (8 buckets up to distance 16, so that it saturates
     within these lengths): tiles wholly beyond the saturation distance read one element instead of a
     tile, which must give the very same outputs and gradients as reading every tile."""
-    default_far, default_sums = ta.FAR_TILES, ta.FAR_DS_SUMS
-    ta.FAR_DS_SUMS = False  # the bias gradient element-wise (check_far_ds_sums checks the other)
+    default_far = ta.FAR_TILES
     heads, d, b = 2, 16, 2
     for sq, causal, padded in [(64, False, True), (48, True, False), (64, True, True)]:
         far = bias_saturation_distance(not causal, 8, 16)
@@ -149,49 +148,6 @@ def check_far_tiles() -> None:
             3e-5,
         )
         _check(f"{tag}: dbias against math", dbias, br.grad, 3e-5)
-    ta.FAR_DS_SUMS = default_sums
-
-
-def check_far_ds_sums() -> None:
-    """FAR_DS_SUMS: the dQ kernel stores one sum per far tile and the bias gradient spreads it over
-    the tile. Near tiles must equal the element-wise gradient; every bucket's total (what T5's
-    table receives) must equal math's; and far tiles must differ from the element-wise gradient
-    (else the path did not run)."""
-    default_sums = ta.FAR_DS_SUMS
-    heads, d, b = 2, 16, 3
-    for sq, causal, padded in [(64, False, True), (50, False, False), (64, True, True)]:
-        bidirectional = not causal
-        far = bias_saturation_distance(bidirectional, 8, 16)
-        rel = torch.arange(sq)[None, :] - torch.arange(sq)[:, None]  # key - query
-        buckets = relative_position_bucket(rel, bidirectional, 8, 16)
-        bias = torch.randn(8, heads)[buckets].permute(2, 0, 1).contiguous()
-        q, k, v = (torch.randn(b, sq, heads, d) for _ in range(3))
-        key_mask = torch.ones(b, sq, dtype=torch.uint8)
-        if padded:
-            key_mask[1, sq // 3 :] = 0
-        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)
-        dout = torch.randn(b, sq, heads * d)
-        out, lse = ta._launch_fwd(qkv, q.new_empty((0,)), bias, key_mask, causal, heads, far)
-        dbias = {}
-        for sums in (False, True):
-            ta.FAR_DS_SUMS = sums
-            dbias[sums] = ta._launch_bwd(qkv, q.new_empty((0,)), bias, key_mask, out, lse, dout, causal, heads, far)[2]
-        ta.FAR_DS_SUMS = default_sums
-        br = bias.clone().requires_grad_()
-        ref = _math_attention(q, k, v, br, key_mask.bool(), causal, 0.0)
-        ref.backward(dout.view_as(ref))
-        tag = f"far dS sums {sq}x{sq} causal={causal} padded={padded} (saturated from {far})"
-        tile = ta.DQ_BLOCK_M
-        m0, n0 = torch.arange(sq) // tile * tile, torch.arange(sq) // ta.DQ_BLOCK_N * ta.DQ_BLOCK_N
-        offset = n0[None, :] - m0[:, None]  # key - query of each element's tile corner
-        far_el = (offset >= far + tile - 1) | (-offset >= far + ta.DQ_BLOCK_N - 1)
-        if not far_el.any():
-            raise SystemExit(f"{tag}: no far tile at this size; the check would test nothing")
-        _check(f"{tag}: near tiles against element-wise", dbias[True][:, ~far_el], dbias[False][:, ~far_el], 1e-6)
-        if torch.allclose(dbias[True][:, far_el], br.grad[:, far_el]):
-            raise SystemExit(f"MISMATCH: {tag}: far tiles hold the element-wise gradient: the sums did not run")
-        per_bucket = [torch.zeros(heads, 8).index_add_(1, buckets.flatten(), g.flatten(1)) for g in (dbias[True], br.grad)]
-        _check(f"{tag}: every bucket's total against math", *per_bucket, 1e-5)
 
 
 def check_gated_gelu() -> None:
@@ -237,16 +193,15 @@ def check_model() -> None:
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ref_loss, ref_grads = run("math")
-    default_far, default_sums = ta.FAR_TILES, ta.FAR_DS_SUMS
-    for path, far_tiles, sums in [(path, False, False) for path in ta.DBIAS_PATHS] + [("ds", True, False),
-                                                                                      ("ds", False, True)]:
-        ta.DBIAS_PATH, ta.FAR_TILES, ta.FAR_DS_SUMS = path, ta.FAR_TILE_KERNELS if far_tiles else (), sums
+    default_far = ta.FAR_TILES
+    for path, far_tiles in [(path, False) for path in ta.DBIAS_PATHS] + [("ds", True)]:
+        ta.DBIAS_PATH, ta.FAR_TILES = path, ta.FAR_TILE_KERNELS if far_tiles else ()
         loss, grads = run("triton")
-        tag = f"bias gradient path {path}" + (", far tiles" if far_tiles else "") + (", far dS sums" if sums else "")
+        tag = f"bias gradient path {path}" + (", far tiles" if far_tiles else "")
         _check(f"tiny T5 loss, triton attention ({tag})", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
         _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)
-    ta.DBIAS_PATH, ta.FAR_TILES, ta.FAR_DS_SUMS = "ds", default_far, default_sums
+    ta.DBIAS_PATH, ta.FAR_TILES = "ds", default_far
 
 
 def main() -> None:
@@ -257,7 +212,6 @@ def main() -> None:
     torch.manual_seed(0)
     check_attention()
     check_far_tiles()
-    check_far_ds_sums()
     check_gated_gelu()
     check_model()
     print("ALL KERNEL CHECKS PASSED")

@@ -111,18 +111,17 @@ def test_model_benchmark_variant_items_parse():
                       "fartiles", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
-                     far_tiles=("fwd", "dq", "dkdv"), far_ds_sums=ta.FAR_DS_SUMS)  # fmt: skip
+                     far_tiles=("fwd", "dq", "dkdv"))  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
     assert parse_variant("nofartiles", args)["far_tiles"] == ()
-    assert parse_variant("fardssums", args)["far_ds_sums"] and not parse_variant("nofardssums", args)["far_ds_sums"]
     with pytest.raises(SystemExit, match="fwd"):
         parse_variant("fartiles=bwd", args)
     # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
-               "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "nofardssums" if ta.FAR_DS_SUMS else "fardssums")}  # fmt: skip
+               "nofartiles" if ta.FAR_TILES else "fartiles=fwd")}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     with pytest.raises(SystemExit, match="fast"):

@@ -162,7 +162,6 @@ def test_far_tiles_change_nothing(causal, dtype, monkeypatch):
     key_mask[0, 300:] = False
     dout = torch.randn(b, s, h * d, device="cuda", generator=g).to(dtype)
     results = []
-    monkeypatch.setattr(ta, "FAR_DS_SUMS", False)  # the element-wise bias gradient (next test: the sums)
     for far_tiles in (False, True):
         monkeypatch.setattr(ta, "FAR_TILES", ta.FAR_TILE_KERNELS if far_tiles else ())
         x, bb = qkv.clone().requires_grad_(), bias.clone().requires_grad_()
@@ -171,34 +170,3 @@ def test_far_tiles_change_nothing(causal, dtype, monkeypatch):
         results.append((out.detach(), x.grad, bb.grad))
     for name, dense_tiles, far_tiles in zip(("out", "dqkv", "dbias"), *results):
         assert torch.equal(dense_tiles, far_tiles), name
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
-def test_far_ds_sums_give_every_bucket_its_gradient(causal, monkeypatch):
-    """FAR_DS_SUMS at 512 x 512 in bf16: far tiles' dS summed in the dQ kernel. Near tiles are the
-    element-wise gradient; every bucket's total (what T5's table receives) matches it."""
-    from training.model.attention import bias_saturation_distance, packed_attention, relative_position_bucket
-
-    g = torch.Generator(device="cuda").manual_seed(2)
-    b, s, h, d = 4, 512, 12, 64
-    far = bias_saturation_distance(not causal)
-    rel = torch.arange(s, device="cuda")[None, :] - torch.arange(s, device="cuda")[:, None]
-    buckets = relative_position_bucket(rel, not causal)
-    bias = torch.randn(32, h, device="cuda", generator=g)[buckets].permute(2, 0, 1).contiguous()
-    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g).bfloat16()
-    dout = torch.randn(b, s, h * d, device="cuda", generator=g).bfloat16()
-    grads = {}
-    for sums in (False, True):
-        monkeypatch.setattr(ta, "FAR_DS_SUMS", sums)
-        bb = bias.clone().requires_grad_()
-        packed_attention(qkv, None, h, bb, None, causal, "triton", bias_far=far).backward(dout)
-        grads[sums] = bb.grad
-    bm, bn = ta.DQ_BLOCK_M, ta.DQ_BLOCK_N  # the dQ kernel's tiles decide which are far
-    offset = (torch.arange(s, device="cuda") // bn * bn)[None, :] - (torch.arange(s, device="cuda") // bm * bm)[:, None]
-    far_el = (offset >= far + bm - 1) | (-offset >= far + bn - 1)
-    assert far_el.any()  # lower-left tiles in both; upper-right in the encoder
-    torch.testing.assert_close(grads[True][:, ~far_el], grads[False][:, ~far_el], rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(grads[True][:, far_el], grads[False][:, far_el])  # the sums did run
-    totals = [torch.zeros(h, 32, device="cuda").index_add_(1, buckets.flatten(), grad.flatten(1)) for grad in grads.values()]
-    # element-wise: bf16 dS summed; far sums: fp32 dS summed in the kernel. Same totals to bf16 rounding.
-    assert (totals[1] - totals[0]).abs().max() <= 5e-3 * totals[0].abs().max()

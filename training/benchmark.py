@@ -18,8 +18,7 @@ dS that the dQ kernel writes; triton_attention.DBIAS_PATH), optcompiled|opteager
 "autocast" or "float32"), torchgelu (the gated GELU as torch ops for inductor to fuse instead of
 training/model/triton_gated_gelu.py), fartiles | fartiles=fwd+dq+dkdv | nofartiles (tiles wholly
 beyond the distance where T5's bias saturates skip their bias loads, in every attention kernel, in
-the ones named, or in none; triton_attention.FAR_TILES), fardssums|nofardssums (the dQ kernel
-stores one dS sum per such tile instead of the tile; triton_attention.FAR_DS_SUMS). Each variant
+the ones named, or in none; triton_attention.FAR_TILES). Each variant
 prints one table row; --json appends one JSON object per variant to a file. The attention tiles
 come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
 """
@@ -51,13 +50,12 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
-    from training.model.triton_attention import FAR_DS_SUMS, FAR_TILES
+    from training.model.triton_attention import FAR_TILES
 
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES,
-        far_ds_sums=FAR_DS_SUMS,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "sdpa", "flex", "math"):
@@ -76,8 +74,6 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["opt_compiled"] = item == "optcompiled"
         elif item == "torchgelu":
             variant["triton_gelu"] = False
-        elif item in ("fardssums", "nofardssums"):
-            variant["far_ds_sums"] = item == "fardssums"
         elif item == "nofartiles":
             variant["far_tiles"] = ()
         elif item == "fartiles" or item.startswith("fartiles="):
@@ -109,23 +105,21 @@ def variant_label(v: dict) -> str:
     notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
     notes += [] if v["triton_gelu"] else ["torch GELU"]
     notes += [f"far tiles {'+'.join(v['far_tiles'])}" if v["far_tiles"] else "no far tiles"]
-    notes += ["far dS sums" if v["far_ds_sums"] else "no far dS sums"]
     return ", ".join([v["attention"], *notes])
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
     from training.model import triton_attention, triton_gated_gelu
 
-    default_far, default_sums = triton_attention.FAR_TILES, triton_attention.FAR_DS_SUMS
+    default_far = triton_attention.FAR_TILES
     triton_attention.DBIAS_PATH = variant["dbias"]
     triton_attention.FAR_TILES = variant["far_tiles"]
-    triton_attention.FAR_DS_SUMS = variant["far_ds_sums"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     try:
         return _run_variant(variant, args, device)
     finally:
         triton_attention.DBIAS_PATH = "ds"
-        triton_attention.FAR_TILES, triton_attention.FAR_DS_SUMS = default_far, default_sums
+        triton_attention.FAR_TILES = default_far
         triton_gated_gelu.ENABLED = True
 
 
@@ -241,21 +235,19 @@ def attention_microbenchmark(
     far = bias_saturation_distance(True)
     dout = torch.randn(batch_size, seq, heads * d_kv, device=device, dtype=torch.bfloat16)
     flops = 4 * batch_size * heads * seq * seq * d_kv  # forward QK^T + PV; backward is 2.5x (recomputes QK^T)
-    default_far, default_sums = ta.FAR_TILES, ta.FAR_DS_SUMS
-    cases = [  # (name, backend, bias, bias-gradient path of the triton kernels, far distance,
-        #          far-tile kernels, far tiles' dS summed in the dQ kernel)
-        ("triton, T5 bias, no far tiles", "triton", t5_bias, "ds", far, (), False),
+    default_far = ta.FAR_TILES
+    cases = [  # (name, backend, bias, bias-gradient path of the triton kernels, far distance, far-tile kernels)
+        ("triton, T5 bias, no far tiles", "triton", t5_bias, "ds", far, ()),
         *[(f"triton, T5 bias, far tiles (from distance {far}) in {'+'.join(kernels)}", "triton", t5_bias,
-           "ds", far, kernels, False) for kernels in [("fwd",), ("dq",), ("dkdv",), ta.FAR_TILE_KERNELS]],
-        ("triton, T5 bias, far tiles in fwd, far dS sums", "triton", t5_bias, "ds", far, ("fwd",), True),
-        ("triton, no bias", "triton", None, "ds", 0, (), False),
-        ("triton, random dense bias, dbias from dS (default)", "triton", dense, "ds", 0, (), False),
-        ("triton, random dense bias, dbias kernel", "triton", dense, "kernel", 0, (), False),
-        ("triton, random dense bias, dbias by atomic adds", "triton", dense, "atomic", 0, (), False),
-        ("sdpa, random dense bf16 bias", "sdpa", dense, "ds", 0, (), False),
+           "ds", far, kernels) for kernels in [("fwd",), ("dq",), ("dkdv",), ta.FAR_TILE_KERNELS]],
+        ("triton, no bias", "triton", None, "ds", 0, ()),
+        ("triton, random dense bias, dbias from dS (default)", "triton", dense, "ds", 0, ()),
+        ("triton, random dense bias, dbias kernel", "triton", dense, "kernel", 0, ()),
+        ("triton, random dense bias, dbias by atomic adds", "triton", dense, "atomic", 0, ()),
+        ("sdpa, random dense bf16 bias", "sdpa", dense, "ds", 0, ()),
     ]  # fmt: skip
-    for name, backend, bias, path, bias_far, far_tiles, sums in cases:
-        ta.DBIAS_PATH, ta.FAR_TILES, ta.FAR_DS_SUMS = path, far_tiles, sums
+    for name, backend, bias, path, bias_far, far_tiles in cases:
+        ta.DBIAS_PATH, ta.FAR_TILES = path, far_tiles
         try:
             with torch.no_grad():
                 fwd = _time_cuda(
@@ -276,7 +268,7 @@ def attention_microbenchmark(
         except Exception as e:  # noqa: BLE001
             print(f"# {name}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            ta.DBIAS_PATH, ta.FAR_TILES, ta.FAR_DS_SUMS = "ds", default_far, default_sums
+            ta.DBIAS_PATH, ta.FAR_TILES = "ds", default_far
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,8 +36,6 @@ import os
 
 import torch
 
-from training.model import triton_bias_grad
-
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -80,8 +78,6 @@ if _HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from training.model.triton_bias_grad import far_tile
-
     # fmt: off
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
@@ -102,11 +98,12 @@ if _HAS_TRITON:
             inside = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
             ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
             if FAR_TILES:  # a branch, not a masked load; the corner read outside it (docs/model.md)
+                near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
                 corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0)  # (m0, n0) is inside every tile
-                if far_tile(m0, n0, FAR, offs_m.shape[0], offs_n.shape[0]):  # every element is the corner's
-                    tile = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32) + corner
-                else:
+                if near:
                     tile = tl.load(ptrs, mask=inside, other=0.0)
+                else:  # every element of a far tile has the corner's value
+                    tile = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32) + corner
                 return tile
             else:
                 return tl.load(ptrs, mask=inside, other=0.0)
@@ -210,11 +207,6 @@ if _HAS_TRITON:
         return p, ds
 
     @triton.jit
-    def _store_ds(DS, bh, offs_m, offs_n, SQ, SK, ds):
-        tl.store(DS + bh * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds.to(DS.dtype.element_ty),
-                 mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
-
-    @triton.jit
     def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV,
                          sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
                          H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
@@ -251,18 +243,15 @@ if _HAS_TRITON:
         tl.store(DKV + V_OFF + ptrs, dv.to(DKV.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS, FARSUM,
+    def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
                        sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
                        H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
                        HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
-                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, DS_MODE: tl.constexpr, FAR_DS_SUMS: tl.constexpr,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
-                       EVEN_N: tl.constexpr):
+                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, DS_MODE: tl.constexpr, D: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
         """dQ of one query block of one (batch, head): walks all key blocks. DS_MODE 1: also stores
-        dS (B, H, SQ, SK) in the input dtype, which the bias gradient then sums over the batch (with
-        FAR_DS_SUMS a far tile stores its sum in FARSUM (B, H, q blocks, k blocks) instead:
-        triton_bias_grad.py); 2: adds dS into DS, one fp32 (H, SQ, SK) buffer, with atomic adds (the
-        bias gradient itself)."""
+        dS (B, H, SQ, SK) in the input dtype, which the bias gradient then sums over the batch; 2: adds
+        dS into DS, one fp32 (H, SQ, SK) buffer, with atomic adds (the bias gradient itself)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -283,14 +272,8 @@ if _HAS_TRITON:
             p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                        CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
             if DS_MODE == 1:
-                if FAR_DS_SUMS:
-                    if far_tile(pid_m * BLOCK_M, start_n, FAR, BLOCK_M, BLOCK_N):
-                        tl.store(FARSUM + (bh * tl.num_programs(0) + pid_m) * tl.cdiv(SK, BLOCK_N) + start_n // BLOCK_N,
-                                 tl.sum(tl.sum(ds, 1), 0))
-                    else:
-                        _store_ds(DS, bh, offs_m, offs_n, SQ, SK, ds)
-                else:
-                    _store_ds(DS, bh, offs_m, offs_n, SQ, SK, ds)
+                tl.store(DS + bh * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds.to(DS.dtype.element_ty),
+                         mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
             elif DS_MODE == 2:
                 tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
                               mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK), sem="relaxed")
@@ -401,11 +384,6 @@ def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: in
 # recomputes P and dO V^T per batch element (no buffer). Benchmark variants `dbiasatomic`, `dbiaskernel`.
 DBIAS_PATHS = ("ds", "atomic", "kernel")
 DBIAS_PATH = "ds"
-# With the "ds" path and a bias that saturates (`far`): the dQ kernel stores one sum per far tile
-# instead of its dS, and the bias gradient spreads it over the tile (triton_bias_grad.py: exact
-# for T5's bucket table, not the element-wise gradient of a dense bias). Benchmark variants
-# `fardssums`, `nofardssums`.
-FAR_DS_SUMS = False
 
 
 def _launch_bwd(
@@ -426,20 +404,15 @@ def _launch_bwd(
     if DBIAS_PATH not in DBIAS_PATHS:
         raise ValueError(f"triton_attention.DBIAS_PATH must be one of {DBIAS_PATHS}, got {DBIAS_PATH!r}")
     ds_mode = 0 if not flags["HAS_BIAS"] else {"ds": 1, "atomic": 2, "kernel": 0}[DBIAS_PATH]
-    ds, far_sums = q_src.new_empty((0,)), q_src.new_empty((0,), dtype=torch.float32)
+    ds = q_src.new_empty((0,))
     if ds_mode == 1:  # causal: tiles above the diagonal are never visited, so they must read as 0
         ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
-        if FAR_DS_SUMS and far > 0:  # zeros: a causal far tile above the diagonal is never visited
-            far_sums = torch.zeros((B, H, triton.cdiv(SQ, DQ_BLOCK_M), triton.cdiv(SK, DQ_BLOCK_N)),
-                                   dtype=torch.float32, device=q_src.device)  # fmt: skip
-            flags["FAR"] = far
     elif ds_mode == 2:
         ds = torch.zeros((H, SQ, SK), dtype=torch.float32, device=q_src.device)
     strides = (*q_src.stride()[:2], *kv.stride()[:2], *dout.stride()[:2])
     wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, DQ_BLOCK_M), B * H)](
-        q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, far_sums, *strides, *dq_src.stride()[:2],
-        k_off, v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode,
-        FAR_DS_SUMS=far_sums.numel() > 0, D=D,
+        q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
+        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode, D=D,
         BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, num_warps=DQ_WARPS, num_stages=DQ_STAGES,
         **_even(SQ, SK, DQ_BLOCK_M, DQ_BLOCK_N),
     )  # fmt: skip
@@ -451,8 +424,6 @@ def _launch_bwd(
     )  # fmt: skip
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
-    elif ds_mode == 1 and far_sums.numel() > 0:
-        dbias = triton_bias_grad.dbias_from_ds(ds, far_sums, far, DQ_BLOCK_M, DQ_BLOCK_N, wrap)
     elif ds_mode == 1:
         dbias = ds.sum(0, dtype=torch.float32)
     elif ds_mode == 2:
