@@ -118,6 +118,8 @@ def test_model_benchmark_variant_items_parse():
     assert parse_variant("nofartiles", args)["far_tiles"] == ()
     with pytest.raises(SystemExit, match="fwd"):
         parse_variant("fartiles=bwd", args)
+    with pytest.raises(SystemExit, match="fwd"):
+        parse_variant("fartiles=", args)
     # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",

@@ -92,7 +92,7 @@ def _far_tile_kernels(item: str, spec: str) -> tuple[str, ...]:
     if item == "fartiles":
         return FAR_TILE_KERNELS
     kernels = tuple(item.split("=", 1)[1].split("+"))
-    if not kernels or not set(kernels) <= set(FAR_TILE_KERNELS):
+    if not set(kernels) <= set(FAR_TILE_KERNELS):  # also "fartiles=" (one empty name)
         raise SystemExit(f"{item!r} in {spec!r}: name kernels among {'+'.join(FAR_TILE_KERNELS)}")
     return kernels
 
@@ -111,16 +111,14 @@ def variant_label(v: dict) -> str:
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
     from training.model import triton_attention, triton_gated_gelu
 
-    default_far = triton_attention.FAR_TILES
+    defaults = triton_attention.DBIAS_PATH, triton_attention.FAR_TILES, triton_gated_gelu.ENABLED
     triton_attention.DBIAS_PATH = variant["dbias"]
     triton_attention.FAR_TILES = variant["far_tiles"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     try:
         return _run_variant(variant, args, device)
     finally:
-        triton_attention.DBIAS_PATH = "ds"
-        triton_attention.FAR_TILES = default_far
-        triton_gated_gelu.ENABLED = True
+        triton_attention.DBIAS_PATH, triton_attention.FAR_TILES, triton_gated_gelu.ENABLED = defaults
 
 
 def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -235,7 +233,7 @@ def attention_microbenchmark(
     far = bias_saturation_distance(True)
     dout = torch.randn(batch_size, seq, heads * d_kv, device=device, dtype=torch.bfloat16)
     flops = 4 * batch_size * heads * seq * seq * d_kv  # forward QK^T + PV; backward is 2.5x (recomputes QK^T)
-    default_far = ta.FAR_TILES
+    defaults = ta.DBIAS_PATH, ta.FAR_TILES
     cases = [  # (name, backend, bias, bias-gradient path of the triton kernels, far distance, far-tile kernels)
         ("triton, T5 bias, no far tiles", "triton", t5_bias, "ds", far, ()),
         *[(f"triton, T5 bias, far tiles (from distance {far}) in {'+'.join(kernels)}", "triton", t5_bias,
@@ -268,7 +266,7 @@ def attention_microbenchmark(
         except Exception as e:  # noqa: BLE001
             print(f"# {name}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            ta.DBIAS_PATH, ta.FAR_TILES = "ds", default_far
+            ta.DBIAS_PATH, ta.FAR_TILES = defaults
 
 
 def main(argv: list[str] | None = None) -> None:
