@@ -108,12 +108,13 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles", args)  # fmt: skip
+                      "fartiles,clipbefore", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
-                     far_tiles=("fwd", "dq", "dkdv"))  # fmt: skip
+                     far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
+    assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
     assert parse_variant("nofartiles", args)["far_tiles"] == ()
     with pytest.raises(SystemExit, match="fwd"):
@@ -123,7 +124,7 @@ def test_model_benchmark_variant_items_parse():
     # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
-               "nofartiles" if ta.FAR_TILES else "fartiles=fwd")}  # fmt: skip
+               "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore")}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     with pytest.raises(SystemExit, match="fast"):
@@ -135,6 +136,21 @@ def test_model_benchmark_variant_items_parse():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_gpu_only_benchmarks_say_what_they_need():
-    for script in ("benchmarks/attention_tiles.py",):
+    for script, need in (("benchmarks/attention_tiles.py", "needs triton and a CUDA GPU"),
+                         ("benchmarks/gemm_shapes.py", "needs a CUDA GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and "needs triton and a CUDA GPU" in r.stderr, r.stderr[-500:]
+        assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
+
+
+def test_gemm_shapes_count_the_model_flops():
+    """benchmarks/gemm_shapes.py times every linear layer's GEMMs: three passes of its shapes must
+    add up to the model's FLOPs without attention (training.model.flops, the anchors' convention)."""
+    from benchmarks.gemm_shapes import linear_shapes
+    from training.model import T5Config
+    from training.model.flops import model_flops_per_step
+
+    config = T5Config.from_preset("base")
+    linear = sum(3 * 2 * rows * k * n * calls for _, rows, k, n, calls in linear_shapes(config, 128, 512, 114))
+    heads, d_kv = config.num_heads, config.d_kv  # attention scores and values, forward x 3
+    attention = 3 * 2 * 2 * 128 * heads * d_kv * (12 * 512 * 512 + 12 * 114 * 114 + 12 * 114 * 512)
+    assert linear + attention == model_flops_per_step(config, 128, 512, 114)

@@ -181,6 +181,7 @@ def test_unknown_key_in_yaml_is_an_error(tmp_path):
         ("device=tpu", "auto, cuda, cpu"),
         ("model.preset=huge", "tiny, small, base, large, xl, xxl"),
         ("model.zero3_compile=all", "blocks, pointwise"),
+        ("model.compile_mode=fast", "default, reduce-overhead, max-autotune-no-cudagraphs"),
         ("optim.name=sgd", "adamwscale"),
         ("optim.lr_scheduler=step", "cosine"),
         ("logging.wandb=yes", "offline"),

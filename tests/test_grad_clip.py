@@ -59,3 +59,32 @@ def test_loop_clips_only_where_deepspeed_would_loop():
         assert loop_clip(ds, model) is None and ds == untouched
     with pytest.raises(ValueError, match="must be > 0"):
         GradClip(model.parameters(), 0.0)
+
+
+def test_clipping_handed_to_an_optimizer_that_clips_in_its_step():
+    """With adamwscale the loop's clip only arms the optimizer (`max_grad_norm`): `clip()` leaves the
+    gradients alone, the step clips them, and `last_norm()` is the norm before clipping; the
+    weights equal those of clipping before the step. torch's AdamW keeps the clip before the step."""
+    from training.optim import build_optimizer
+
+    def run(in_step: bool):
+        model = _model_with_grads(3.0)
+        opt = build_optimizer("adamwscale", model, lr=1e-2)
+        clip = loop_clip(_ds(), model, opt if in_step else None)
+        assert clip.in_step == in_step and opt.max_grad_norm == (1.0 if in_step else 0.0)
+        before = [p.grad.clone() for p in model.parameters()]
+        returned = clip()
+        if in_step:
+            assert returned is None and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()], float(clip.last_norm()), before
+
+    (w_in, norm_in, grads), (w_before, norm_before, _) = run(True), run(False)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert norm_in == norm_before == pytest.approx(float(total), rel=1e-6) and norm_in > 1.0
+    assert all(torch.equal(a, b) for a, b in zip(w_in, w_before))
+
+    model = _model_with_grads(3.0)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    clip = loop_clip(_ds(), model, adamw)
+    assert not clip.in_step and float(clip()) > 1.0 and clip.last_norm() is not None

@@ -453,3 +453,78 @@ def test_adamwscale_compiled_matches_eager_without_recompiling():
         assert s_comp[k]["step"] == s_eager[k]["step"] == 4
         torch.testing.assert_close(s_comp[k]["exp_avg"], s_eager[k]["exp_avg"], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(s_comp[k]["exp_avg_sq"], s_eager[k]["exp_avg_sq"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_adamwscale_clips_in_its_step_as_clip_grad_norm_before_it(compiled, device):
+    """`max_grad_norm`: the weights, moments, gradients and norms of torch's `clip_grad_norm_`
+    followed by the step, over clipped steps, a step under the threshold and a skipped non-finite
+    one; `last_grad_norm` is the norm before clipping. Eager the arithmetic is torch's own (equal
+    to the bit); compiled, inductor's fused multiply-adds round in the last bit."""
+
+    def run(in_step: bool):
+        torch.manual_seed(0)
+        model = Toy().to(device)
+        opt = build_optimizer("adamwscale", model, lr=2e-2, weight_decay=0.1, compiled=compiled and in_step,
+                              max_grad_norm=1.0 if in_step else 0.0)  # fmt: skip
+        params = [p for group in opt.param_groups for p in group["params"]]
+        norms, grads = [], []
+        for step, scale in enumerate([3.0, 1e-3, 5.0, 2.0]):  # step 1 under the threshold
+            g = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=g) * scale).to(device)
+            if step == 2:
+                params[1].grad.view(-1)[0] = float("nan")
+            if in_step:
+                opt.step()
+                norms.append(opt.last_grad_norm)
+            else:
+                norms.append(torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True))
+                opt.step()
+            grads.append([p.grad.clone() for p in params])
+        assert opt.skip_counters() == (1, 0)  # (skipped in total, in a row)
+        return [p.detach().clone() for p in params], opt.state_dict()["state"], norms, grads
+
+    w_ref, s_ref, n_ref, g_ref = run(in_step=False)
+    w, s, n, g = run(in_step=True)
+    close = dict(rtol=0, atol=0) if not compiled else dict(rtol=1e-6, atol=1e-7)
+    assert float(n_ref[0]) > 1.0 > float(n_ref[1]) and math.isnan(float(n[2]))
+    for a, b in zip(n, n_ref):
+        torch.testing.assert_close(a, b, **close, equal_nan=True)
+    for step_grads, step_ref in zip(g, g_ref):  # clipped in place (zeros on the skipped step)
+        for a, b in zip(step_grads, step_ref):
+            torch.testing.assert_close(a, b, **close)
+    for a, b in zip(w, w_ref):
+        torch.testing.assert_close(a, b, **close)
+    for k in s_ref:
+        assert s[k]["step"] == s_ref[k]["step"] == 3
+        torch.testing.assert_close(s[k]["exp_avg"], s_ref[k]["exp_avg"], **close)
+        torch.testing.assert_close(s[k]["exp_avg_sq"], s_ref[k]["exp_avg_sq"], **close)
+
+
+def test_adamwscale_clipping_in_step_skips_an_overflowing_norm_and_refuses_flat_partitions():
+    """The documented edges of clipping in the step: a gradient whose squares overflow float32 makes
+    the norm inf, and the step is skipped (clipping first would have zeroed every gradient instead);
+    flat partitions (ZeRO 1-3, where DeepSpeed clips) raise before anything changes."""
+    model = nn.Linear(3, 2)
+    opt = build_optimizer("adamwscale", model, lr=1e-2, max_grad_norm=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model.weight.grad[0, 0] = 1e20  # finite, but its square is not
+    opt.step()
+    assert math.isinf(float(opt.last_grad_norm)) and opt.skip_counters() == (1, 1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+    opt = build_optimizer("adamwscale", Toy(), lr=1e-2, max_grad_norm=1.0)
+    layouts = _bind_padded_flat(opt, pad=2)
+    for lay in layouts:
+        lay.flat_param.grad = torch.ones_like(lay.flat_param)
+    flat_before = [lay.flat_param.detach().clone() for lay in layouts]
+    with pytest.raises(RuntimeError, match="gradient_clipping"):
+        opt.step()
+    assert all(torch.equal(lay.flat_param, b) for lay, b in zip(layouts, flat_before))
+    assert all(len(opt.state[lay.flat_param]) == 0 for lay in layouts)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        build_optimizer("adamwscale", model, lr=1e-2, max_grad_norm=-1.0)

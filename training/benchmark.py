@@ -18,7 +18,9 @@ dS that the dQ kernel writes; triton_attention.DBIAS_PATH), optcompiled|opteager
 "autocast" or "float32"), torchgelu (the gated GELU as torch ops for inductor to fuse instead of
 training/model/triton_gated_gelu.py), fartiles | fartiles=fwd+dq+dkdv | nofartiles (tiles wholly
 beyond the distance where T5's bias saturates skip their bias loads, in every attention kernel, in
-the ones named, or in none; triton_attention.FAR_TILES). Each variant
+the ones named, or in none; triton_attention.FAR_TILES), clipinstep|clipbefore (AdamWScale clips the
+gradients inside its step, as training runs at ZeRO 0 do, or torch's clip_grad_norm_ runs before the
+step; training/grad_clip.py). Each variant
 prints one table row; --json appends one JSON object per variant to a file. The attention tiles
 come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
 """
@@ -33,6 +35,7 @@ import time
 
 import torch
 
+from training.grad_clip import GradClip
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model.config import RESIDUAL_DTYPES
 from training.model.flops import measure_matmul_tflops, model_flops_per_step
@@ -55,7 +58,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", opt_compiled=args.optimizer_compiled,
-        residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES,
+        residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "sdpa", "flex", "math"):
@@ -78,6 +81,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["far_tiles"] = ()
         elif item == "fartiles" or item.startswith("fartiles="):
             variant["far_tiles"] = _far_tile_kernels(item, spec)
+        elif item in ("clipinstep", "clipbefore"):
+            variant["clip_in_step"] = item == "clipinstep"
         elif item in ("bf16residual", "fp32residual"):
             variant["residual_dtype"] = "autocast" if item == "bf16residual" else "float32"
         else:
@@ -105,6 +110,7 @@ def variant_label(v: dict) -> str:
     notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
     notes += [] if v["triton_gelu"] else ["torch GELU"]
     notes += [f"far tiles {'+'.join(v['far_tiles'])}" if v["far_tiles"] else "no far tiles"]
+    notes += [] if v["clip_in_step"] else ["clip before step"]
     return ", ".join([v["attention"], *notes])
 
 
@@ -140,13 +146,15 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     if variant["compile"]:
         loss_fn = torch.compile(loss_fn, mode=variant["mode"] or None, fullgraph=args.fullgraph)
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    # Clipping as the training loop does it at ZeRO 0: inside AdamWScale's step, or (clipbefore, or
+    # an optimizer without in-step clipping) torch's foreach clip_grad_norm_ before the step.
+    clip = GradClip(model.parameters(), 1.0, optimizer if variant["clip_in_step"] else None)
 
     def step() -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn(input_ids, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        clip()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss

@@ -33,6 +33,7 @@ MODEL_PRESETS = ("tiny", "small", "base", "large", "xl", "xxl")
 ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton")
 RESIDUAL_DTYPES = ("float32", "autocast")
 ZERO3_COMPILE_MODES = ("blocks", "pointwise")  # training.zero3_compile
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adamwscale", "adamw", "adafactor")
@@ -74,6 +75,11 @@ class ModelConfig:
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
     hooks that a whole compiled forward would skip)."""
+    compile_mode: str = "default"
+    """torch.compile mode of the forward (ZeRO 0-2): default | reduce-overhead (CUDA graphs) |
+    max-autotune-no-cudagraphs | max-autotune. T5 base on an H100 (docs/model.md): reduce-overhead
+    runs at the default's speed; the max-autotune modes spend over 9 minutes compiling for GEMMs
+    that cuBLAS nearly always wins. Under ZeRO 3 only default is accepted (`zero3_compile` there)."""
     zero3_compile: str = "blocks"
     """What `compile` compiles under ZeRO 3: blocks (each T5 block one graph, its parameters gathered
     in one all-gather) | pointwise (only the RMS norms and gated GELUs). training/zero3_compile.py."""
@@ -89,6 +95,7 @@ class ModelConfig:
         _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("model.residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         _check_choice("model.zero3_compile", self.zero3_compile, ZERO3_COMPILE_MODES)
+        _check_choice("model.compile_mode", self.compile_mode, COMPILE_MODES)
         _check(
             self.init_from is None or bool(self.init_from),
             "model.init_from must be a path or null",

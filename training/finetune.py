@@ -141,9 +141,12 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          labels=batch["labels"], return_logits=False)
             engine.backward(out.loss)
-            if clip is not None and micro == cfg.optim.grad_acc - 1:
-                grad_l2 = clip()  # ZeRO 0 with clipping: the loop clips (training/grad_clip.py)
+            last_micro = micro == cfg.optim.grad_acc - 1
+            if clip is not None and last_micro:
+                clip()  # ZeRO 0 with clipping: the loop clips, or the optimizer in its step (training/grad_clip.py)
             engine.step()
+            if clip is not None and last_micro:
+                grad_l2 = clip.last_norm()
             window_loss += out.loss.detach().float() / cfg.optim.grad_acc
             window_tokens += batch["attention_mask"].sum() + (batch["labels"] != -100).sum()
         step += 1

@@ -141,12 +141,14 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             if micro == cfg.optim.grad_acc - 1 and engine.zero_optimization_stage() == 0:
                 # ZeRO 1-3 clip inside DeepSpeed and record the pre-clipping norm; with ZeRO 0 the loop
                 # clips (training/grad_clip.py), after the gradients were all-reduced and before the
-                # update, and takes the norm here.
+                # update, or adamwscale clips inside its step; the norm is read after the update.
                 if clip is not None:
-                    grad_l2 = clip()
+                    clip()
                 elif log_now:
                     grad_l2 = replicated_grad_l2(model)
             engine.step()  # DeepSpeed applies the update only at the gradient-accumulation boundary
+            if clip is not None and micro == cfg.optim.grad_acc - 1:
+                grad_l2 = clip.last_norm()
             window_loss += out.loss.detach().float() / cfg.optim.grad_acc
         step += 1
         window_steps += 1

@@ -97,6 +97,13 @@ def replicated_grad_l2(model: torch.nn.Module) -> float:
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0))
 
 
+def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:
+    """Compile the model's forward only, as one graph (fullgraph: a graph break is an error, not a
+    slowdown), in torch.compile's `mode`; DeepSpeed's module hooks stay outside it. Parameter names
+    are unchanged."""
+    model.forward = torch.compile(model.forward, fullgraph=True, mode=None if mode == "default" else mode)
+
+
 def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: dict, out_dir: Path, *, rank: int,
                  world_size: int, device: torch.device):
     """The DeepSpeed engine of a run and where it resumes from: (engine, checkpoint manager, newest
@@ -114,11 +121,12 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     from training.zero3_compile import prepare_for_zero3
 
     zero_stage = ds_zero_stage(ds_config)
+    if cfg.model.compile and zero_stage == 3 and cfg.model.compile_mode != "default":
+        raise ValueError(f"model.compile_mode={cfg.model.compile_mode} compiles the whole forward, which ZeRO 3 "
+                         "cannot (model.zero3_compile says what is compiled there): set model.compile_mode=default")
     if cfg.model.compile and device.type == "cuda":
         if zero_stage < 3:
-            # Compile the forward only, as one graph (fullgraph: a graph break is an error, not a
-            # slowdown); DeepSpeed's module hooks stay outside it. Parameter names are unchanged.
-            model.forward = torch.compile(model.forward, fullgraph=True)
+            compile_forward(model, cfg.model.compile_mode)
         else:
             # ZeRO 3 gathers parameters in module hooks that a whole compiled forward would skip:
             # compile block by block, or only the element-wise parts (training/zero3_compile.py).
@@ -128,7 +136,7 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     if resume_from is not None and ckpt.is_universal(ckpt.read_meta(resume_from)):
         # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    clip = loop_clip(ds_config, model)
+    clip = loop_clip(ds_config, model, optimizer)
     # With the loop clipping, DeepSpeed gets clipping 0; ds_config itself (written to the run
     # directory) keeps the run's value.
     engine_config = ds_config if clip is None else {**ds_config, "gradient_clipping": 0.0}

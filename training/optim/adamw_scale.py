@@ -19,6 +19,14 @@ Two execution paths, both without a per-tensor Python loop on the arithmetic:
   of squares with one `segment_reduce`, one all-reduce of the per-tensor sums over the partition
   group, then a per-element step size with `repeat_interleave` over the segments.
 
+Gradient clipping can run inside the step (`max_grad_norm > 0`, model tensors only: ZeRO 0, where
+training/grad_clip.py hands it over): the global L2 norm of all gradients is read once, its
+finiteness is the guard's flag (a sum of squares is inf or nan when any entry is, so no second read
+for the guard), and the clipping factor min(1, max_grad_norm / (norm + 1e-6)), torch's and
+DeepSpeed's, scales the gradients in the same pass as the moment updates (one fused kernel when
+compiled) instead of a separate read and write of every gradient before the step. A norm whose
+squares overflow float32 (an entry above ~1e19) counts as non-finite: the step is skipped.
+
 Neither path reads a value on the host, so the step never waits for the GPU: the non-finite guard
 is the mixin's deferred one. Its flag `ok` (1.0 or 0.0, on the device) zeroes the gradients of a
 skipped step (non-finite entries included), keeps the moments as they were (decay factors of 1), and
@@ -50,6 +58,9 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
     (the naive, WRONG behaviour; exists only so tests can show the layout matters).
     compiled: run the model-tensor path (moments, RMS, update, decay) as one `torch.compile` graph
     (same arithmetic; its per-step scalars are device tensors, so a changing lr does not recompile).
+    max_grad_norm: clip the gradients to this global L2 norm inside the step (0: no clipping); see
+    the module docstring. The norm before clipping of the last step is `last_grad_norm` (a device
+    tensor). Model tensors only: with DeepSpeed's flat partitions (ZeRO 1-3) DeepSpeed clips.
     """
 
     needs_tensor_layout = True
@@ -67,6 +78,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         guard_group: Any = None,
         unbound_flat_params: str = "error",
         compiled: bool = False,
+        max_grad_norm: float = 0.0,
     ):
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr} - should be >= 0.0")
@@ -74,6 +86,8 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
             raise ValueError(f"Invalid betas {betas}: each must be in [0.0, 1.0)")
         if eps < 0.0:
             raise ValueError(f"Invalid epsilon value: {eps} - should be >= 0.0")
+        if not max_grad_norm >= 0.0:
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be >= 0 (0: no clipping in the step)")
         if unbound_flat_params not in ("error", "treat_as_tensor"):
             raise ValueError("unbound_flat_params must be 'error' or 'treat_as_tensor'")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, correct_bias=correct_bias)
@@ -85,6 +99,8 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         # foreach kernels over the optimizer state into a few); flat partitions stay eager.
         self.compiled = compiled
         self._plain_update = torch.compile(_plain_update, dynamic=False) if compiled else _plain_update
+        self.max_grad_norm = float(max_grad_norm)
+        self.last_grad_norm: torch.Tensor | None = None  # the global norm before clipping, last step
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -100,18 +116,34 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = []  # (group, params, states) of the groups with gradients
+        with_grads = []  # (group, params) of the groups with gradients
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise RuntimeError("AdamWScale does not support sparse gradients")
-            groups.append((group, params, [self._state_for(p) for p in params]))
+            with_grads.append((group, params))
+        layouts = [self._group_layouts(group, params) for group, params in with_grads]
+        if self.max_grad_norm > 0.0 and any(lay is not None for group_layouts in layouts for lay in group_layouts):
+            raise RuntimeError(
+                "AdamWScale(max_grad_norm > 0) clips model tensors; DeepSpeed handed it flat "
+                "partitions (ZeRO 1-3), where DeepSpeed clips: set max_grad_norm=0 and leave "
+                "clipping to DeepSpeed's gradient_clipping."
+            )
+        groups = [(group, params, [self._state_for(p) for p in params]) for group, params in with_grads]
         states = [s for _, _, group_states in groups for s in group_states]
         grads = [p.grad for _, params, _ in groups for p in params]
         ok = None  # None: no guard, the update is applied
-        if self.skip_nonfinite:
+        clip_scale = None  # None: no clipping in the step, else a 0-d device tensor
+        if self.max_grad_norm > 0.0:
+            norm = _global_norm(grads)  # every gradient read once; inf or nan when one entry is
+            self.last_grad_norm = norm
+            clip_scale = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's and DeepSpeed's
+            if self.skip_nonfinite:  # the norm's finiteness is the guard's flag: no second read
+                ok = self._agreed_flag(norm.isfinite().float())  # a collective: every rank calls it
+                clip_scale = torch.where(ok > 0, clip_scale, 1.0)  # a skipped step zeroes the gradients
+        elif self.skip_nonfinite:
             ok = self._finite_flag(grads)  # a collective: every rank calls it, with gradients or not
         self._settle_before(states)  # an earlier outcome for these tensors: exact step counts now
         if not groups:
@@ -122,7 +154,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         # collected so that one all-reduce per process group serves all of them); the model tensors
         # are done whole, group by group, in pass 2.
         tensor_jobs, flat_jobs = [], []
-        for group, params, group_states in groups:
+        for (group, params, group_states), layouts_of_group in zip(groups, layouts):
             beta1, beta2 = group["betas"]
             base = []
             for s in group_states:  # python floats: bias correction per tensor (steps may differ)
@@ -131,17 +163,16 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
                 if group["correct_bias"]:
                     size = size * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
                 base.append(size)
-            layouts = self._group_layouts(group, params)
-            plain = [i for i, lay in enumerate(layouts) if lay is None]
+            plain = [i for i, lay in enumerate(layouts_of_group) if lay is None]
             if plain:
                 tensor_jobs.append((group, [params[i] for i in plain], [group_states[i] for i in plain],
                                     [base[i] for i in plain]))  # fmt: skip
-            flat = [i for i, lay in enumerate(layouts) if lay is not None]
+            flat = [i for i, lay in enumerate(layouts_of_group) if lay is not None]
             if flat:  # the decay factors once per group (device tensors under the guard)
                 b1, b2 = _decay_factors(beta1, beta2, ok)
                 skip = None if ok is None else ok == 0
             for i in flat:
-                p, state, lay = params[i], group_states[i], layouts[i]
+                p, state, lay = params[i], group_states[i], layouts_of_group[i]
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 if skip is not None:
                     p.grad.masked_fill_(skip, 0.0)
@@ -153,7 +184,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
 
         # Pass 2: the updates.
         for group, params, group_states, base in tensor_jobs:
-            self._update_tensors(group, params, group_states, base, ok)
+            self._update_tensors(group, params, group_states, base, ok, clip_scale)
         for group, p, exp_avg, exp_avg_sq, base, lay, sums in flat_jobs:
             self._update_flat(group, p, exp_avg, exp_avg_sq, base, lay, sums, ok)
 
@@ -172,7 +203,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
             self._numel_cache[key] = torch.tensor([float(p.numel()) for p in params], device=device)
         return self._numel_cache[key]
 
-    def _update_tensors(self, group: dict, params, group_states, base: list[float], ok) -> None:
+    def _update_tensors(self, group: dict, params, group_states, base: list[float], ok, clip_scale) -> None:
         device = params[0].device
         decay = -group["lr"] * group["weight_decay"]
         if self.compiled:  # per-step values as device tensors: the graph is built once
@@ -184,7 +215,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         self._plain_update(
             params, [p.grad for p in params], [s["exp_avg"] for s in group_states],
             [s["exp_avg_sq"] for s in group_states], self._numels(params, device), base_t, decay_t, ok,
-            beta1=beta1, beta2=beta2, eps=group["eps"], has_decay=group["weight_decay"] > 0.0,
+            clip_scale, beta1=beta1, beta2=beta2, eps=group["eps"], has_decay=group["weight_decay"] > 0.0,
         )  # fmt: skip
 
     @staticmethod
@@ -217,18 +248,22 @@ def _decay_factors(beta1: float, beta2: float, ok: torch.Tensor | None) -> tuple
 
 
 def _plain_update(
-    params, grads, exp_avgs, exp_avg_sqs, numels, base, decay, ok, *, beta1, beta2, eps, has_decay
+    params, grads, exp_avgs, exp_avg_sqs, numels, base, decay, ok, clip_scale, *, beta1, beta2, eps, has_decay
 ) -> None:
     """One AdamWScale step of plain tensors (one parameter group), in place, nothing read on the host.
 
     base: the per-tensor step sizes before the RMS factor (a float, or a device tensor per tensor);
-    decay: -lr * weight_decay (float or 0-d device tensor); ok: the finite flag (None: no guard).
+    decay: -lr * weight_decay (float or 0-d device tensor); ok: the finite flag (None: no guard);
+    clip_scale: the gradient clipping factor (0-d device tensor, finite; None: no clipping), applied
+    to the gradients in place as `clip_grad_norm_` does, so compiled it joins the moments' kernel.
     Eager it runs as torch's foreach kernels; `AdamWScale(compiled=True)` compiles this function.
     """
     if ok is not None:  # a skipped step: zero gradients (non-finite entries included)
         skip = ok == 0
         for g in grads:  # one kernel per tensor eagerly; torch has no multi-tensor masked fill
             g.masked_fill_(skip, 0.0)
+    if clip_scale is not None:
+        torch._foreach_mul_(grads, clip_scale)
     b1, b2 = _decay_factors(beta1, beta2, ok)  # moments *= beta, or *= 1 when skipped
     torch._foreach_mul_(exp_avgs, b1)
     torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
@@ -251,6 +286,15 @@ def _plain_update(
         else:  # p += (decay * ok) * p, the factor a device scalar (1 + decay would round it)
             factor = decay if ok is None else ok * decay
             torch._foreach_addcmul_(params, params, [factor] * len(params))
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all `grads` together as a float32 0-d tensor, computed as
+    `torch.nn.utils.clip_grad_norm_` does (per-tensor norms, then the norm of those)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
 
 
 def _as_device_tensor(values: list[float], device: torch.device) -> torch.Tensor:

@@ -148,16 +148,22 @@ class PartitionAwareMixin:
     def _finite_flag(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """float32 0-d tensor: 1.0 when every gradient on every rank of the guard group is finite,
         else 0.0. On the gradients' device; one all-reduce when several ranks. No host read."""
-        world = distributed_world(self.guard_group)
         home = grads[0].device if grads else torch.device("cpu")
-        device = collective_device(self.guard_group) if world > 1 else home
-        ok = torch.ones((), dtype=torch.float32, device=device)
+        ok = torch.ones((), dtype=torch.float32, device=home)
         if grads:
             maxabs = torch._foreach_norm(grads, ord=math.inf)  # inf for inf, nan for nan
-            ok = torch.stack([m.float().to(device) for m in maxabs]).isfinite().all().float()
-        if world > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.guard_group)
-        return ok.to(home)
+            ok = torch.stack([m.float() for m in maxabs]).isfinite().all().float()
+        return self._agreed_flag(ok)
+
+    def _agreed_flag(self, ok: torch.Tensor) -> torch.Tensor:
+        """This rank's 0-d float32 flag `ok` (1.0 or 0.0) made the minimum over the guard group:
+        one all-reduce when several ranks (a collective: every rank calls it), none on one."""
+        if distributed_world(self.guard_group) == 1:
+            return ok
+        home = ok.device
+        agreed = ok.to(collective_device(self.guard_group))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.guard_group)
+        return agreed.to(home)
 
     def _grads_finite_everywhere(self) -> bool:
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]

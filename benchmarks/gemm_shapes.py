@@ -1,0 +1,106 @@
+"""cuBLAS time of every linear-layer GEMM shape of a T5 training step, against the matmul ceiling.
+
+A T5 v1.1 step at batch B, inputs S, targets T runs each linear layer three times: the forward
+(x @ W^T), the input gradient (dy @ W) and the weight gradient (dy^T @ x), with B*S rows in the
+encoder and B*T in the decoder; the lm_head runs in the fused cross-entropy's chunks of 2048 rows.
+For each shape this prints ms per call (median of `--iters`, CUDA events, bf16 operands as under
+autocast), TFLOP/s, how often a step runs it and its ms per step, then the sum: how far the linear
+layers are from the bf16 8192^3 matmul measured in the same run (`training.model.flops`).
+
+    python benchmarks/gemm_shapes.py                       # T5 base, batch 128, 512 -> 114
+    python benchmarks/gemm_shapes.py --preset large --batch-size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.model import T5Config  # noqa: E402
+from training.model.flops import measure_matmul_tflops  # noqa: E402
+
+CE_CHUNK_ROWS = 2048  # training.model.cross_entropy's default chunk
+
+
+def linear_shapes(config: T5Config, batch: int, inputs: int, targets: int) -> list[tuple[str, int, int, int, int]]:
+    """(name, rows, in_features, out_features, calls per step) of every linear layer's forward,
+    as the model runs them (q/k/v, cross-attention k/v and wi_0/wi_1 concatenated into one GEMM)."""
+    d, inner, ff, vocab = config.d_model, config.num_heads * config.d_kv, config.d_ff, config.vocab_size
+    enc, dec = batch * inputs, batch * targets
+    n_enc, n_dec = config.num_layers, config.num_decoder_layers
+    wi = 2 * ff if config.feed_forward_proj == "gated-gelu" else ff
+    chunks, tail = divmod(dec, CE_CHUNK_ROWS)
+    shapes = [
+        ("encoder qkv", enc, d, 3 * inner, n_enc), ("encoder o", enc, inner, d, n_enc),
+        ("encoder wi", enc, d, wi, n_enc), ("encoder wo", enc, ff, d, n_enc),
+        ("decoder self qkv", dec, d, 3 * inner, n_dec), ("decoder self o, cross q, cross o", dec, d, d, 3 * n_dec),
+        ("decoder cross kv (encoder output)", enc, d, 2 * inner, n_dec),
+        ("decoder wi", dec, d, wi, n_dec), ("decoder wo", dec, ff, d, n_dec),
+        ("lm_head chunk", CE_CHUNK_ROWS, d, vocab, chunks),
+    ]  # fmt: skip
+    if tail:
+        shapes.append(("lm_head last chunk", tail, d, vocab, 1))
+    return shapes
+
+
+def _median_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="base")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--input-length", type=int, default=512)
+    parser.add_argument("--target-length", type=int, default=114)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gemm_shapes.py needs a CUDA GPU (it times cuBLAS)")
+    device = torch.device("cuda")
+    config = T5Config.from_preset(args.preset)
+    ceiling = measure_matmul_tflops(device)
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 8192^3 matmul {ceiling:.0f} TFLOP/s")
+    print("| layer | pass | (M x K) @ (K x N) | ms | TFLOP/s | of ceiling | per step | ms/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    total_ms = total_flop = 0.0
+    for name, rows, k_in, n_out, calls in linear_shapes(config, args.batch_size, args.input_length, args.target_length):
+        x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
+        dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)
+        passes = (  # (pass, A, B) of A @ B, in the layouts autograd hands cuBLAS
+            ("forward", x, w.t()), ("input grad", dy, w), ("weight grad", dy.t(), x),
+        )
+        for label, a, b in passes:
+            (m, k), n = a.shape, b.shape[1]
+            ms = _median_ms(functools.partial(torch.matmul, a, b), args.iters)
+            tflops = 2 * m * k * n / ms / 1e9
+            total_ms += ms * calls
+            total_flop += 2 * m * k * n * calls
+            print(f"| {name} | {label} | ({m} x {k}) @ ({k} x {n}) | {ms:.4f} | {tflops:.0f} | "
+                  f"{tflops / ceiling:.0%} | {calls} | {ms * calls:.2f} |")  # fmt: skip
+        del x, w, dy, passes, a, b
+    print(f"# linear layers: {total_ms:.1f} ms per step at {total_flop / total_ms / 1e9:.0f} TFLOP/s "
+          f"({total_flop / total_ms / 1e9 / ceiling:.0%} of the ceiling); at the ceiling: "
+          f"{total_flop / ceiling / 1e9:.1f} ms")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
