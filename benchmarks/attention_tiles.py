@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_timing import median_cuda_ms  # noqa: E402
 from training.model import triton_attention as ta  # noqa: E402
 
 SWEEPS = {  # kernel -> (module attribute prefix, BLOCK_M, BLOCK_N, warps, stages values)
@@ -29,20 +29,6 @@ SWEEPS = {  # kernel -> (module attribute prefix, BLOCK_M, BLOCK_N, warps, stage
     "dkdv": ("DKDV", (32, 64), (64, 128), (4, 8), (2, 3, 4)),
     "dq": ("DQ", (64, 128), (32, 64), (4, 8), (2, 3, 4)),
 }
-
-
-def _median_ms(fn, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def sweep(kernel: str, args: argparse.Namespace) -> list[tuple[float, tuple]]:
@@ -72,7 +58,7 @@ def sweep(kernel: str, args: argparse.Namespace) -> list[tuple[float, tuple]]:
         for name, value in zip(("BLOCK_M", "BLOCK_N", "WARPS", "STAGES"), (bm, bn, warps, stages)):
             setattr(ta, f"{prefix}_{name}", value)
         try:
-            ms = _median_ms(call, args.iters)
+            ms = median_cuda_ms(call, args.iters)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this tile
             print(f"  {kernel} bm{bm} bn{bn} w{warps} s{stages}: {type(e).__name__}: {str(e)[:120]}")
             continue

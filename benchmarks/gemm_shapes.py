@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_timing import median_cuda_ms  # noqa: E402
 from training.model import T5Config  # noqa: E402
 from training.model.flops import measure_matmul_tflops  # noqa: E402
 
@@ -48,20 +48,6 @@ def linear_shapes(config: T5Config, batch: int, inputs: int, targets: int) -> li
     if tail:
         shapes.append(("lm_head last chunk", tail, d, vocab, 1))
     return shapes
-
-
-def _median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         for label, a, b in passes:
             (m, k), n = a.shape, b.shape[1]
-            ms = _median_ms(functools.partial(torch.matmul, a, b), args.iters)
+            ms = median_cuda_ms(functools.partial(torch.matmul, a, b), args.iters, warmup=3)
             tflops = 2 * m * k * n / ms / 1e9
             total_ms += ms * calls
             total_flop += 2 * m * k * n * calls

@@ -56,7 +56,7 @@ def loop_clip(ds_config: dict, model: torch.nn.Module, optimizer=None) -> GradCl
     """The loop's `GradClip` when DeepSpeed would clip with its per-parameter loop (ZeRO 0, fp32 or
     torch_autocast, clipping on); None when DeepSpeed clips, or nothing does. When it returns a
     clip, hand DeepSpeed the config with `gradient_clipping: 0` (training/run_setup.start_engine).
-    Given the run's `optimizer`, an optimizer that clips inside its step (adamwscale) is set to."""
+    Given the run's `optimizer` and one that can clip inside its step (adamwscale), it clips there."""
     max_norm = float(ds_config.get("gradient_clipping") or 0.0)
     fp16 = (ds_config.get("fp16") or {}).get("enabled") is True
     if max_norm <= 0 or zero_stage(ds_config) != 0 or precision_mode(ds_config) == "bf16" or fp16:
