@@ -91,10 +91,9 @@ def build_optimizer_and_schedule(cfg, model: torch.nn.Module, horizon: Horizon):
 
 def replicated_grad_l2(model: torch.nn.Module) -> float:
     """L2 norm of all gradients of a model whose gradients are whole on every rank (ZeRO 0)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0))
+    from training.optim import global_grad_norm
+
+    return float(global_grad_norm([p.grad for p in model.parameters() if p.grad is not None]))
 
 
 def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:

@@ -11,7 +11,7 @@ Typical use::
     opt.skipped_steps, opt.consecutive_skips
 """
 
-from training.optim.adamw_scale import AdamWScale
+from training.optim.adamw_scale import AdamWScale, global_grad_norm
 from training.optim.partition_aware import PartitionAwareMixin
 from training.optim.registry import NO_DECAY_SUBSTRINGS, OPTIMIZERS, build_optimizer, param_groups_no_decay
 from training.optim.schedules import SCHEDULES, build_scheduler, lr_at
@@ -36,6 +36,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "build_zero_layouts",
+    "global_grad_norm",
     "lr_at",
     "param_groups_no_decay",
     "weight_l2_norm",

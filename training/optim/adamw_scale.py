@@ -137,7 +137,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         ok = None  # None: no guard, the update is applied
         clip_scale = None  # None: no clipping in the step, else a 0-d device tensor
         if self.max_grad_norm > 0.0:
-            norm = _global_norm(grads)  # every gradient read once; inf or nan when one entry is
+            norm = global_grad_norm(grads)  # every gradient read once; inf or nan when one entry is
             self.last_grad_norm = norm
             clip_scale = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's and DeepSpeed's
             if self.skip_nonfinite:  # the norm's finiteness is the guard's flag: no second read
@@ -288,13 +288,12 @@ def _plain_update(
             torch._foreach_addcmul_(params, params, [factor] * len(params))
 
 
-def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of all `grads` together as a float32 0-d tensor, computed as
-    `torch.nn.utils.clip_grad_norm_` does (per-tensor norms, then the norm of those)."""
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all `grads` together as a 0-d device tensor (no host read), computed as
+    `torch.nn.utils.clip_grad_norm_` does: per-tensor norms, then the norm of those. 0 for none."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(grads, 2.0)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2.0)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
 
 
 def _as_device_tensor(values: list[float], device: torch.device) -> torch.Tensor:
