@@ -3,11 +3,13 @@
 One encoder self-attention of T5 base as the model runs it: a packed (batch, seq, 3 * heads * d_kv)
 bf16 projection output, the (heads, seq, seq) fp32 bias with its gradient. Each kernel is swept
 alone, the others at their defaults: the forward, the dK/dV kernel and the dQ kernel (which also
-writes dS for the bias gradient). Prints ms per call (median of `--iters`, CUDA events) and the
+writes dS for the bias gradient), or with `--dq-path stored` the dK/dV kernel writing dS and the
+kernel that computes dQ = dS K from it (`dqds`). Prints ms per call (median of `--iters`, CUDA events) and the
 attention TFLOP/s of each configuration, best first, and the winners as environment variables.
 
     python benchmarks/attention_tiles.py                    # batch 128, seq 512, the full sweep
     python benchmarks/attention_tiles.py --kernels dkdv --no-bias
+    python benchmarks/attention_tiles.py --kernels dkdv,dqds --dq-path stored
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ SWEEPS = {  # kernel -> (module attribute prefix, BLOCK_M, BLOCK_N, warps, stage
     "fwd": ("FWD", (64, 128), (64, 128), (4, 8), (3,)),  # swept wider in the fourth session
     "dkdv": ("DKDV", (32, 64), (64, 128), (4, 8), (2, 3, 4)),
     "dq": ("DQ", (64, 128), (32, 64), (4, 8), (2, 3, 4)),
+    "dqds": ("DQDS", (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)),  # dQ = dS K (DQ_PATH "stored")
 }
 
 
@@ -66,7 +69,7 @@ def sweep(kernel: str, args: argparse.Namespace) -> list[tuple[float, tuple]]:
     for name, value in saved.items():
         setattr(ta, f"{prefix}_{name}", value)
     rows.sort()
-    what = "forward" if kernel == "fwd" else "whole backward (dQ + dK/dV + dbias sum)"
+    what = "forward" if kernel == "fwd" else f"whole backward (dQ + dK/dV + dbias sum; dQ {ta.DQ_PATH})"
     print(f"\n## {kernel}: {what}, b{b} s{s} h{h} d{d}, bias={'yes' if args.bias else 'no'}")
     print("| BLOCK_M | BLOCK_N | warps | stages | ms | TFLOP/s |")
     print("|---|---|---|---|---|---|")
@@ -93,13 +96,18 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--d-kv", type=int, default=64)
     parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="comma list of fwd, dkdv, dq")
+    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="comma list of fwd, dkdv, dq, dqds")
+    parser.add_argument("--dq-path", default=ta.DQ_PATH, choices=ta.DQ_PATHS,
+                        help="the backward's dQ path (triton_attention.DQ_PATH); dqds needs stored or stored_bias")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=6, help="rows printed per kernel")
     args = parser.parse_args()
     if not ta.available():
         raise SystemExit("benchmarks/attention_tiles.py needs triton and a CUDA GPU")
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | DQ_PATH {args.dq_path}")
+    ta.DQ_PATH = args.dq_path
+    if "dqds" in args.kernels and args.dq_path == "recompute":
+        raise SystemExit("--kernels dqds times the dQ = dS K kernel: pass --dq-path stored (or stored_bias)")
     for kernel in args.kernels.split(","):
         sweep(kernel.strip(), args)
 

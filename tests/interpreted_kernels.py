@@ -1,6 +1,6 @@
 """The Triton kernels run by Triton's CPU interpreter, against torch's math: the attention kernels
 (with and without the bias, padding and causal masks, packed and separate sources, the three
-bias-gradient paths, far tiles), the gated-GELU kernels, and a tiny T5 whose attention runs through
+bias-gradient paths, dQ recomputed or from the stored dS, far tiles), the gated-GELU kernels, and a tiny T5 whose attention runs through
 the attention kernels (the model uses the GELU kernels on CUDA tensors only).
 
 Run by tests/test_kernels_interpreted.py in a subprocess, because TRITON_INTERPRET and the tile
@@ -53,6 +53,22 @@ def _check(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> 
         raise SystemExit(f"MISMATCH: {name}: {err:.2e} >= {tol:.0e}")
 
 
+# (bias-gradient path, dQ path) pairs the backward is checked with: every bias-gradient path with
+# dQ recomputed, and dQ from the dS the dK/dV kernel stores (which sums dS for the bias gradient).
+BACKWARD_PATHS = [(path, "recompute") for path in ta.DBIAS_PATHS] + [("ds", "stored")]
+
+
+def _backward_tag(dbias_path: str, dq_path: str) -> str:
+    return f"bias gradient path {dbias_path}" + ("" if dq_path == "recompute" else f", dQ {dq_path}")
+
+
+DEFAULT_PATHS = (ta.DBIAS_PATH, ta.DQ_PATH)
+
+
+def _set_paths(dbias_path: str = DEFAULT_PATHS[0], dq_path: str = DEFAULT_PATHS[1]) -> None:
+    ta.DBIAS_PATH, ta.DQ_PATH = dbias_path, dq_path
+
+
 def check_attention() -> None:
     heads, d = 2, 16
     for b, sq, sk, causal, padded, with_bias in ATTENTION_CASES:
@@ -77,22 +93,26 @@ def check_attention() -> None:
                 q_src, kv_src = q.flatten(2).contiguous(), torch.cat([k.flatten(2), v.flatten(2)], -1)
             out, lse = ta._launch_fwd(q_src, kv_src, bias_arg, mask_arg, causal, heads)
             _check(f"{tag} out", out, ref.detach().flatten(2), 3e-5)
-            for path in ta.DBIAS_PATHS:
-                ta.DBIAS_PATH = path
+            for paths in BACKWARD_PATHS:
+                _set_paths(*paths)
                 dq_src, dkv_src, dbias = ta._launch_bwd(
                     q_src, kv_src, bias_arg, mask_arg, out, lse, dout.flatten(2), causal, heads
                 )
+                how = _backward_tag(*paths)
                 if self_packed:
                     expected = torch.cat([qr.grad.flatten(2), kr.grad.flatten(2), vr.grad.flatten(2)], -1)
-                    _check(f"  dq|dk|dv (bias gradient path {path})", dq_src, expected, 3e-5)
+                    _check(f"  dq|dk|dv ({how})", dq_src, expected, 3e-5)
                     assert dkv_src.numel() == 0
                 else:
-                    _check(f"  dq (bias gradient path {path})", dq_src, qr.grad.flatten(2), 3e-5)
+                    _check(f"  dq ({how})", dq_src, qr.grad.flatten(2), 3e-5)
                     expected = torch.cat([kr.grad.flatten(2), vr.grad.flatten(2)], -1)
-                    _check(f"  dk|dv (bias gradient path {path})", dkv_src, expected, 3e-5)
+                    _check(f"  dk|dv ({how})", dkv_src, expected, 3e-5)
                 if bias is not None:
-                    _check(f"  dbias (path {path})", dbias, br.grad, 3e-5)
-    ta.DBIAS_PATH = "ds"
+                    _check(f"  dbias ({how})", dbias, br.grad, 3e-5)
+    _set_paths()
+
+
+FAR_TILE_PATHS = {"ds": ("ds", "recompute"), "atomic": ("atomic", "recompute"), "dQ stored": ("ds", "stored")}
 
 
 def check_far_tiles() -> None:
@@ -117,18 +137,19 @@ def check_far_tiles() -> None:
         for far_tiles in (False, True):
             ta.FAR_TILES = ta.FAR_TILE_KERNELS if far_tiles else ()
             out, lse = ta._launch_fwd(qkv, q.new_empty((0,)), bias, key_mask, causal, heads, far)
-            for path in ("ds", "atomic"):
-                ta.DBIAS_PATH = path
+            for path in FAR_TILE_PATHS:
+                _set_paths(*FAR_TILE_PATHS[path])
                 dqkv, _, dbias = ta._launch_bwd(
                     qkv, q.new_empty((0,)), bias, key_mask, out, lse, dout, causal, heads, far
                 )
                 results[far_tiles, path] = (out, dqkv, dbias)
-        ta.FAR_TILES, ta.DBIAS_PATH = default_far, "ds"
+        ta.FAR_TILES = default_far
+        _set_paths()
         tag = f"far tiles {sq}x{sq} causal={causal} padded={padded} (saturated from {far})"
-        for path in ("ds", "atomic"):
+        for path in FAR_TILE_PATHS:
             for name, on, off in zip(("out", "dq|dk|dv", "dbias"), results[True, path], results[False, path]):
                 same = (
-                    torch.equal(on, off) if path == "ds" else _relative_error(on, off) < 1e-6
+                    torch.equal(on, off) if path != "atomic" else _relative_error(on, off) < 1e-6
                 )  # atomics: any order
                 print(
                     f"{tag}: {name} with and without far tiles (path {path}): {'identical' if same else 'DIFFERENT'}"
@@ -194,14 +215,17 @@ def check_model() -> None:
 
     ref_loss, ref_grads = run("math")
     default_far = ta.FAR_TILES
-    for path, far_tiles in [(path, False) for path in ta.DBIAS_PATHS] + [("ds", True)]:
-        ta.DBIAS_PATH, ta.FAR_TILES = path, ta.FAR_TILE_KERNELS if far_tiles else ()
+    cases = [(*paths, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias")]] + [("ds", "recompute", True)]
+    for dbias_path, dq_path, far_tiles in cases:
+        _set_paths(dbias_path, dq_path)
+        ta.FAR_TILES = ta.FAR_TILE_KERNELS if far_tiles else ()
         loss, grads = run("triton")
-        tag = f"bias gradient path {path}" + (", far tiles" if far_tiles else "")
+        tag = _backward_tag(dbias_path, dq_path) + (", far tiles" if far_tiles else "")
         _check(f"tiny T5 loss, triton attention ({tag})", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
         _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)
-    ta.DBIAS_PATH, ta.FAR_TILES = "ds", default_far
+    ta.FAR_TILES = default_far
+    _set_paths()
 
 
 def main() -> None:

@@ -99,6 +99,9 @@ def test_reshard_resume_script_on_cpu(shards, tmp_path):
     assert gap < 0.1  # percent: the resumed run continues the same trajectory
 
 
+DQ_ITEMS = {"dqrecompute": "recompute", "dqstored": "stored", "dqstoredbias": "stored_bias"}
+
+
 def test_model_benchmark_variant_items_parse():
     """Every variant item of `python -m training.benchmark --variants` sets what its docstring says,
     on top of the command-line defaults; an unknown item stops with its name."""
@@ -108,9 +111,9 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore", args)  # fmt: skip
+                      "fartiles,clipbefore,dqstored", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
-                     dbias="kernel", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
+                     dbias="kernel", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
@@ -124,9 +127,12 @@ def test_model_benchmark_variant_items_parse():
     # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
-               "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore")}  # fmt: skip
+               "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore",
+               *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
+    assert {parse_variant(item, args)["dq"] for item in DQ_ITEMS} == set(ta.DQ_PATHS)
+    assert all(parse_variant(item, args)["dq"] == path for item, path in DQ_ITEMS.items())
     with pytest.raises(SystemExit, match="fast"):
         parse_variant("triton,fast", args)
     if not torch.cuda.is_available():

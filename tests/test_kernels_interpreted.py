@@ -23,6 +23,8 @@ SMALL_TILES = {
     "T5DS_ATTN_DKDV_BN": "32",
     "T5DS_ATTN_DQ_BM": "32",
     "T5DS_ATTN_DQ_BN": "16",
+    "T5DS_ATTN_DQDS_BM": "16",
+    "T5DS_ATTN_DQDS_BN": "32",
     "T5DS_ATTN_DBIAS_BM": "16",
     "T5DS_ATTN_DBIAS_BN": "16",
 }
@@ -47,5 +49,7 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     # every bias-gradient path was exercised, in the kernels and in the model, and the far tiles
     for path in ("ds", "atomic", "kernel"):
         assert f"tiny T5 loss, triton attention (bias gradient path {path})" in proc.stdout
+    for dq_path in ("stored", "stored_bias"):
+        assert f"tiny T5 loss, triton attention (bias gradient path ds, dQ {dq_path})" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, far tiles)" in proc.stdout
-    assert proc.stdout.count("with and without far tiles") == 18  # 3 shapes x 2 paths x 3 tensors
+    assert proc.stdout.count("with and without far tiles") == 27  # 3 shapes x 3 paths x 3 tensors

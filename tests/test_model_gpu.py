@@ -66,6 +66,15 @@ def test_other_bias_gradient_paths_match_math_fp32(case, path, monkeypatch):
     test_triton_matches_math_fp32(case)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_dq_from_stored_ds_matches_math(case, dtype, monkeypatch):
+    """DQ_PATH "stored": the dK/dV kernel stores dS and dQ = dS K is computed from it, with and
+    without a bias, masks and the causal diagonal; every gradient as under "recompute"."""
+    monkeypatch.setattr(ta, "DQ_PATH", "stored")
+    (test_triton_matches_math_fp32 if dtype == "fp32" else test_triton_matches_math_bf16)(case)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_math_bf16(case):
     b, sq, sk, with_bias, with_mask, causal = case
@@ -82,7 +91,9 @@ def test_triton_matches_math_bf16(case):
         assert err < 2e-2, f"{name}: relative error {err:.3e}"
 
 
-def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks():
+@pytest.mark.parametrize("dq_path", ["recompute", "stored_bias"])
+def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(dq_path, monkeypatch):
+    monkeypatch.setattr(ta, "DQ_PATH", dq_path)
     torch.manual_seed(0)
     config = T5Config.from_preset("tiny", attention_backend="math", num_layers=3)
     model = T5ForConditionalGeneration(config).cuda()

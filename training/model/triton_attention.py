@@ -13,15 +13,18 @@ tensor a kernel writes is allocated in the op and passed whole: a kernel never w
 key_mask (B, Sk) bool. No 1/sqrt(D) scaling (T5). Masked scores get -1e30 (like HF's dtype
 minimum: a fully masked row averages every key instead of giving NaN).
 
-Kernels (FlashAttention-2 structure, exp2 online softmax, fp32 accumulation); per-score work is kept
-small (scale and bias as one FMA on a bias pre-multiplied by log2(e), bounds masks only on partial
-tiles, the masked-score guard on dS only with masks), since on an H100 at d_kv 64 the element-wise
-work, not the tensor cores, bounds these kernels:
+Kernels (in `triton_attention_kernels.py`; FlashAttention-2 structure, exp2 online softmax, fp32
+accumulation); per-score work is kept small (scale and bias as one FMA on a bias pre-multiplied by
+log2(e), bounds masks only on partial tiles, the masked-score guard on dS only with masks), since on
+an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these kernels:
 - `_fwd_kernel`: grid (q blocks, B*H); writes out and the row max / inverse sum (base 2).
-- `_bwd_dkdv_kernel`: grid (k blocks, B*H); dK, dV of one key block, walking the query blocks.
-- `_bwd_dq_kernel`: grid (q blocks, B*H); recomputes P and accumulates dQ; with a bias it also
-  stores dS (B, H, Sq, Sk) in the input dtype, and torch sums it over the batch (`DBIAS_PATH =
-  "ds"`), or adds dS into one fp32 (H, Sq, Sk) buffer with atomic adds (`"atomic"`).
+- `_bwd_dkdv_kernel`: grid (k blocks, B*H); dK, dV of one key block, walking the query blocks; with
+  `DQ_PATH` "stored" (by default "stored_bias": where there is a bias) it also stores dS (B, H, Sq,
+  Sk) in the input dtype, torch sums it over the batch for the bias gradient, and
+- `_bwd_dq_from_ds_kernel`: grid (q blocks, B*H); dQ = dS K from the stored dS (no recomputation).
+- `_bwd_dq_kernel` (`DQ_PATH` "recompute", and attention without a bias by default): grid (q
+  blocks, B*H); recomputes P and accumulates dQ; with a bias it also stores dS for the bias gradient
+  (`DBIAS_PATH = "ds"`), or adds dS into one fp32 (H, Sq, Sk) buffer with atomic adds (`"atomic"`).
 - `_bwd_dbias_kernel` (`DBIAS_PATH = "kernel"`): grid (q blocks, k blocks, H); recomputes P and
   dO V^T for every batch element of its tile and sums dS in registers (no buffer, two extra small
   GEMMs per tile and batch element).
@@ -69,6 +72,11 @@ DQ_BLOCK_M = _bwd_env_int("DQ", "BM", 64)
 DQ_BLOCK_N = _bwd_env_int("DQ", "BN", 64)
 DQ_WARPS = _bwd_env_int("DQ", "WARPS", 4)
 DQ_STAGES = _bwd_env_int("DQ", "STAGES", 3)
+# dQ from the stored dS (DQ_PATH "stored*"): a streaming GEMM, BLOCK_M queries per program.
+DQDS_BLOCK_M = _bwd_env_int("DQDS", "BM", 64)
+DQDS_BLOCK_N = _bwd_env_int("DQDS", "BN", 64)
+DQDS_WARPS = _bwd_env_int("DQDS", "WARPS", 4)
+DQDS_STAGES = _bwd_env_int("DQDS", "STAGES", 3)
 DBIAS_BLOCK_M = _env_int("T5DS_ATTN_DBIAS_BM", 64)
 DBIAS_BLOCK_N = _env_int("T5DS_ATTN_DBIAS_BN", 64)
 DBIAS_WARPS = _env_int("T5DS_ATTN_DBIAS_WARPS", 4)
@@ -76,242 +84,14 @@ DBIAS_STAGES = _env_int("T5DS_ATTN_DBIAS_STAGES", 2)
 
 if _HAS_TRITON:
     import triton
-    import triton.language as tl
 
-    # fmt: off
-    @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr):
-        if IEEE:  # fp32 inputs (tests): exact fp32 products instead of TF32
-            return tl.dot(a, b, input_precision="ieee")
-        return tl.dot(a, b)
-
-    @triton.jit
-    def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.constexpr,
-                   FAR_TILES: tl.constexpr):
-        """(BM, BN) fp32 tile of the (H, SQ, SK) bias, already in base-2 units (the host multiplies it
-        by log2(e)), for queries m0.. and keys n0... The bias is shared by the batch: the tile comes
-        from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
-        slower: see docs/model.md.) FAR_TILES: the caller promises that the bias is one value per head
-        wherever key - query >= FAR, and one wherever query - key >= FAR (T5's last buckets); a tile
-        wholly inside either region reads one element and loads nothing else."""
-        if HAS_BIAS:
-            inside = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
-            ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
-            if FAR_TILES:  # a branch, not a masked load; the corner read outside it (docs/model.md)
-                near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
-                corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0)  # (m0, n0) is inside every tile
-                if near:
-                    tile = tl.load(ptrs, mask=inside, other=0.0)
-                else:  # every element of a far tile has the corner's value
-                    tile = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32) + corner
-                return tile
-            else:
-                return tl.load(ptrs, mask=inside, other=0.0)
-        else:
-            return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
-
-    @triton.jit
-    def _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS: tl.constexpr,
-                HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
-        """(BM, BN) fp32 scores in base-2 units, (q k^T + bias) * log2(e), masked. Every element-wise
-        op here runs per score: the scale and the bias are one FMA, the masks only when needed."""
-        if HAS_BIAS:
-            s = _dot(q, kt, IEEE) * 1.4426950408889634 + bias
-        else:
-            s = _dot(q, kt, IEEE) * 1.4426950408889634
-        if HAS_MASK:
-            km = tl.load(KMASK + b * SK + offs_n, mask=offs_n < SK, other=0)
-            s = tl.where(km[None, :] != 0, s, -1.0e30)
-        if CAUSAL:
-            s = tl.where(offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET, s, -1.0e30)
-        if not EVEN_N:  # keys past SK (the last, partial key block)
-            s = tl.where(offs_n[None, :] < SK, s, float("-inf"))
-        return s
-
-    @triton.jit
-    def _load_rows(PTR, b, h, offs_m, sb, ss, SQ, D: tl.constexpr, EVEN: tl.constexpr):
-        """(BM, D) tile of head h of a (B, S, ..., H * D ...) row-major source; zeros past SQ."""
-        offs_d = tl.arange(0, D)
-        ptrs = PTR + b * sb + h * D + offs_m[:, None] * ss + offs_d[None, :]
-        if EVEN:
-            return tl.load(ptrs)
-        else:
-            return tl.load(ptrs, mask=offs_m[:, None] < SQ, other=0.0)
-
-    @triton.jit
-    def _load_cols(PTR, b, h, offs_n, sb, ss, SK, D: tl.constexpr, EVEN: tl.constexpr):
-        """(D, BN) transposed tile of head h of a row-major source; zeros past SK."""
-        offs_d = tl.arange(0, D)
-        ptrs = PTR + b * sb + h * D + offs_n[None, :] * ss + offs_d[:, None]
-        if EVEN:
-            return tl.load(ptrs)
-        else:
-            return tl.load(ptrs, mask=offs_n[None, :] < SK, other=0.0)
-
-    @triton.jit
-    def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OFF, V_OFF,
-                    H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
-                    HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                    IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
-        q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        end_n = SK
-        if CAUSAL:
-            end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
-        for start_n in range(0, end_n, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-            bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
-            s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
-                        EVEN_N, IEEE)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_rows(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-            m_i = m_new
-        acc = acc / l_i[:, None]
-        tl.store(OUT + b * sob + h * D + offs_m[:, None] * sos + offs_d[None, :], acc.to(OUT.dtype.element_ty),
-                 mask=offs_m[:, None] < SQ)
-        # Row max (base 2) and 1/sum kept apart: m + log2(l) would lose log2(l) on rows with no visible key.
-        tl.store(LSE + bh * SQ + offs_m, m_i, mask=offs_m < SQ)
-        tl.store(LSE + LSE_STRIDE + bh * SQ + offs_m, 1.0 / l_i, mask=offs_m < SQ)
-
-    @triton.jit
-    def _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
-                           CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                           CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
-        """P and dS = P * (dO V^T - delta) of one (BM, BN) tile; both 0 on masked entries and rows past SQ."""
-        in_m = offs_m < SQ
-        row_max = tl.load(LSE + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
-        inv_sum = tl.load(LSE + LSE_STRIDE + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
-        delta = tl.load(DELTA + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
-        s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
-                    EVEN_N, IEEE)
-        p = tl.exp2(s - row_max[:, None]) * inv_sum[:, None]
-        dp = _dot(do, vt, IEEE)
-        ds = p * (dp - delta[:, None])
-        if HAS_MASK or CAUSAL:
-            # Masked scores are constants: no gradient. Only a row with no visible key has P > 0 there.
-            ds = tl.where(s > -1.0e29, ds, 0.0)
-        return p, ds
-
-    @triton.jit
-    def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV,
-                         sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
-                         H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
-                         HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
-                         CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-        """dK, dV of one key block of one (batch, head): walks all query blocks. Both land in DKV, laid
-        out like KV (k at K_OFF, v at V_OFF): a packed source gets its gradient as one buffer."""
-        pid_n = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, D)
-        kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-        start_m = 0
-        if CAUSAL:  # query rows before (key - offset) cannot see this key block
-            start_m = tl.maximum(pid_n * BLOCK_N - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M
-        for sm in range(start_m, SQ, BLOCK_M):
-            offs_m = sm + tl.arange(0, BLOCK_M)
-            q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
-            do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-            bias = _bias_tile(BIAS, h, sm, pid_n * BLOCK_N, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
-            p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
-                                       CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
-            dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
-        mask = offs_n[:, None] < SK
-        ptrs = b * sdkb + h * D + offs_n[:, None] * sdks + offs_d[None, :]
-        tl.store(DKV + K_OFF + ptrs, dk.to(DKV.dtype.element_ty), mask=mask)
-        tl.store(DKV + V_OFF + ptrs, dv.to(DKV.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
-                       sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
-                       H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
-                       HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
-                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, DS_MODE: tl.constexpr, D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-        """dQ of one query block of one (batch, head): walks all key blocks. DS_MODE 1: also stores
-        dS (B, H, SQ, SK) in the input dtype, which the bias gradient then sums over the batch; 2: adds
-        dS into DS, one fp32 (H, SQ, SK) buffer, with atomic adds (the bias gradient itself)."""
-        pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D)
-        q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
-        do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-        dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        end_n = SK
-        if CAUSAL:
-            end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
-        for start_n in range(0, end_n, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-            vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-            bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
-            p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
-                                       CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
-            if DS_MODE == 1:
-                tl.store(DS + bh * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds.to(DS.dtype.element_ty),
-                         mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
-            elif DS_MODE == 2:
-                tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
-                              mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK), sem="relaxed")
-            dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
-        tl.store(DQ + b * sdqb + h * D + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=offs_m[:, None] < SQ)
-
-    @triton.jit
-    def _bwd_dbias_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
-                          sqb, sqs, skb, sks, sdob, sdos, K_OFF, V_OFF,
-                          B, H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                          HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
-                          EVEN_N: tl.constexpr):
-        """dbias[h, tile] = sum over the batch of dS, reduced in registers (recomputes P and dO V^T).
-        """
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        h = tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        visible = True
-        if CAUSAL:  # tiles wholly above the diagonal have no gradient
-            visible = pid_n * BLOCK_N <= pid_m * BLOCK_M + BLOCK_M - 1 + CAUSAL_OFFSET
-        if visible:
-            bias = _bias_tile(BIAS, h, 0, 0, offs_m, offs_n, SQ, SK, 0, True, False)  # the same for every b
-            for b in range(0, B):
-                q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
-                do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-                kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-                vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-                p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ,
-                                           SK, CAUSAL_OFFSET, LSE_STRIDE, True, HAS_MASK, CAUSAL, EVEN_N, IEEE)
-                acc += ds
-        tl.store(DBIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], acc,
-                 mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
-    # fmt: on
+    from training.model.triton_attention_kernels import (
+        _bwd_dbias_kernel,
+        _bwd_dkdv_kernel,
+        _bwd_dq_from_ds_kernel,
+        _bwd_dq_kernel,
+        _fwd_kernel,
+    )
 
 
 # Far tiles (benchmark variants `fartiles`, `fartiles=fwd+dq`, `nofartiles`): with a bias that says
@@ -384,6 +164,17 @@ def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: in
 # recomputes P and dO V^T per batch element (no buffer). Benchmark variants `dbiasatomic`, `dbiaskernel`.
 DBIAS_PATHS = ("ds", "atomic", "kernel")
 DBIAS_PATH = "ds"
+# dQ: "recompute" = the dQ kernel recomputes P and dP = dO V^T per tile (FlashAttention-2's two
+# kernels); "stored" = the dK/dV kernel stores dS (B, H, SQ, SK) in the input dtype and
+# `_bwd_dq_from_ds_kernel` computes dQ = dS K from it (no recomputation; one batch-sized buffer for
+# the length of the backward, which the bias gradient, when there is one, sums as under "ds");
+# "stored_bias" = "stored" where the bias gradient is summed from dS anyway (a bias, DBIAS_PATH
+# "ds"), "recompute" elsewhere (T5's cross-attention; the other bias-gradient paths). Benchmark variants `dqrecompute`, `dqstored`,
+# `dqstoredbias`. Measured (docs/model.md, tenth session): with T5's bias the encoder layer's backward
+# 2.88 -> 2.61 ms, the step 0.1570 -> 0.1514 s; without a bias 2.05 -> 2.25 ms (the dS round trip
+# costs more than the recomputation saves), hence "stored_bias".
+DQ_PATHS = ("recompute", "stored", "stored_bias")
+DQ_PATH = "stored_bias"
 
 
 def _launch_bwd(
@@ -403,13 +194,36 @@ def _launch_bwd(
     dkv = dq_src if kv_src.numel() == 0 else dkv_src  # self-attention: dq, dk, dv all in dq_src
     if DBIAS_PATH not in DBIAS_PATHS:
         raise ValueError(f"triton_attention.DBIAS_PATH must be one of {DBIAS_PATHS}, got {DBIAS_PATH!r}")
+    if DQ_PATH not in DQ_PATHS:
+        raise ValueError(f"triton_attention.DQ_PATH must be one of {DQ_PATHS}, got {DQ_PATH!r}")
+    strides = (*q_src.stride()[:2], *kv.stride()[:2], *dout.stride()[:2])
+    if DQ_PATH == "stored" and flags["HAS_BIAS"] and DBIAS_PATH != "ds":
+        raise ValueError(
+            f"triton_attention.DQ_PATH 'stored' stores dS, from which the bias gradient is summed: set "
+            f"DBIAS_PATH to 'ds' (it is {DBIAS_PATH!r}) or DQ_PATH to 'recompute' or 'stored_bias'"
+        )
+    if DQ_PATH == "stored" or (DQ_PATH == "stored_bias" and flags["HAS_BIAS"] and DBIAS_PATH == "ds"):
+        # causal: the dK/dV kernel never visits tiles above the diagonal, so they must read as 0
+        ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
+        wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, DKDV_BLOCK_N), B * H)](
+            q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
+            H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal,
+            STORE_DS=True, D=D, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, num_warps=DKDV_WARPS,
+            num_stages=DKDV_STAGES, **_even(SQ, SK, DKDV_BLOCK_M, DKDV_BLOCK_N),
+        )  # fmt: skip
+        wrap(_bwd_dq_from_ds_kernel)[(triton.cdiv(SQ, DQDS_BLOCK_M), B * H)](
+            ds, kv, dq_src, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ,
+            CAUSAL=causal, IEEE=flags["IEEE"], D=D, BLOCK_M=DQDS_BLOCK_M, BLOCK_N=DQDS_BLOCK_N,
+            num_warps=DQDS_WARPS, num_stages=DQDS_STAGES, **_even(SQ, SK, DQDS_BLOCK_M, DQDS_BLOCK_N),
+        )  # fmt: skip
+        dbias = ds.sum(0, dtype=torch.float32) if flags["HAS_BIAS"] else torch.zeros_like(bias)
+        return dq_src, dkv_src, dbias
     ds_mode = 0 if not flags["HAS_BIAS"] else {"ds": 1, "atomic": 2, "kernel": 0}[DBIAS_PATH]
     ds = q_src.new_empty((0,))
     if ds_mode == 1:  # causal: tiles above the diagonal are never visited, so they must read as 0
         ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
     elif ds_mode == 2:
         ds = torch.zeros((H, SQ, SK), dtype=torch.float32, device=q_src.device)
-    strides = (*q_src.stride()[:2], *kv.stride()[:2], *dout.stride()[:2])
     wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, DQ_BLOCK_M), B * H)](
         q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
         H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode, D=D,
@@ -417,8 +231,9 @@ def _launch_bwd(
         **_even(SQ, SK, DQ_BLOCK_M, DQ_BLOCK_N),
     )  # fmt: skip
     wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, DKDV_BLOCK_N), B * H)](
-        q_src, kv, kbias, key_mask, dout, lse, delta, dkv, *strides, *dkv.stride()[:2], k_off, v_off,
-        H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal, D=D,
+        q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
+        H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal,
+        STORE_DS=False, D=D,
         BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, num_warps=DKDV_WARPS, num_stages=DKDV_STAGES,
         **_even(SQ, SK, DKDV_BLOCK_M, DKDV_BLOCK_N),
     )  # fmt: skip

@@ -1,0 +1,292 @@
+"""The Triton kernels of the fused T5 attention. `training/model/triton_attention.py` launches them,
+holds their tile sizes and switches, and its docstring says what each kernel computes and why the
+per-score work is kept small. Imported only where the triton package is installed.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+# fmt: off
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # fp32 inputs (tests): exact fp32 products instead of TF32
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.constexpr,
+               FAR_TILES: tl.constexpr):
+    """(BM, BN) fp32 tile of the (H, SQ, SK) bias, already in base-2 units (the host multiplies it
+    by log2(e)), for queries m0.. and keys n0... The bias is shared by the batch: the tile comes
+    from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
+    slower: see docs/model.md.) FAR_TILES: the caller promises that the bias is one value per head
+    wherever key - query >= FAR, and one wherever query - key >= FAR (T5's last buckets); a tile
+    wholly inside either region reads one element and loads nothing else."""
+    if HAS_BIAS:
+        inside = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
+        ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
+        if FAR_TILES:  # a branch, not a masked load; the corner read outside it (docs/model.md)
+            near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
+            corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0)  # (m0, n0) is inside every tile
+            if near:
+                tile = tl.load(ptrs, mask=inside, other=0.0)
+            else:  # every element of a far tile has the corner's value
+                tile = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32) + corner
+            return tile
+        else:
+            return tl.load(ptrs, mask=inside, other=0.0)
+    else:
+        return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
+
+
+@triton.jit
+def _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS: tl.constexpr,
+            HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+    """(BM, BN) fp32 scores in base-2 units, (q k^T + bias) * log2(e), masked. Every element-wise
+    op here runs per score: the scale and the bias are one FMA, the masks only when needed."""
+    if HAS_BIAS:
+        s = _dot(q, kt, IEEE) * 1.4426950408889634 + bias
+    else:
+        s = _dot(q, kt, IEEE) * 1.4426950408889634
+    if HAS_MASK:
+        km = tl.load(KMASK + b * SK + offs_n, mask=offs_n < SK, other=0)
+        s = tl.where(km[None, :] != 0, s, -1.0e30)
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET, s, -1.0e30)
+    if not EVEN_N:  # keys past SK (the last, partial key block)
+        s = tl.where(offs_n[None, :] < SK, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _load_rows(PTR, b, h, offs_m, sb, ss, SQ, D: tl.constexpr, EVEN: tl.constexpr):
+    """(BM, D) tile of head h of a (B, S, ..., H * D ...) row-major source; zeros past SQ."""
+    offs_d = tl.arange(0, D)
+    ptrs = PTR + b * sb + h * D + offs_m[:, None] * ss + offs_d[None, :]
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=offs_m[:, None] < SQ, other=0.0)
+
+
+@triton.jit
+def _load_cols(PTR, b, h, offs_n, sb, ss, SK, D: tl.constexpr, EVEN: tl.constexpr):
+    """(D, BN) transposed tile of head h of a row-major source; zeros past SK."""
+    offs_d = tl.arange(0, D)
+    ptrs = PTR + b * sb + h * D + offs_n[None, :] * ss + offs_d[:, None]
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=offs_n[None, :] < SK, other=0.0)
+
+
+@triton.jit
+def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OFF, V_OFF,
+                H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
+                HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    end_n = SK
+    if CAUSAL:
+        end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
+    for start_n in range(0, end_n, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+        bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
+        s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
+                    EVEN_N, IEEE)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(OUT + b * sob + h * D + offs_m[:, None] * sos + offs_d[None, :], acc.to(OUT.dtype.element_ty),
+             mask=offs_m[:, None] < SQ)
+    # Row max (base 2) and 1/sum kept apart: m + log2(l) would lose log2(l) on rows with no visible key.
+    tl.store(LSE + bh * SQ + offs_m, m_i, mask=offs_m < SQ)
+    tl.store(LSE + LSE_STRIDE + bh * SQ + offs_m, 1.0 / l_i, mask=offs_m < SQ)
+
+
+@triton.jit
+def _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+                       CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                       CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+    """P and dS = P * (dO V^T - delta) of one (BM, BN) tile; both 0 on masked entries and rows past SQ."""
+    in_m = offs_m < SQ
+    row_max = tl.load(LSE + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
+    inv_sum = tl.load(LSE + LSE_STRIDE + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
+    delta = tl.load(DELTA + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
+    s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
+                EVEN_N, IEEE)
+    p = tl.exp2(s - row_max[:, None]) * inv_sum[:, None]
+    dp = _dot(do, vt, IEEE)
+    ds = p * (dp - delta[:, None])
+    if HAS_MASK or CAUSAL:
+        # Masked scores are constants: no gradient. Only a row with no visible key has P > 0 there.
+        ds = tl.where(s > -1.0e29, ds, 0.0)
+    return p, ds
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
+                     sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
+                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
+                     HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
+                     CAUSAL: tl.constexpr, IEEE: tl.constexpr, STORE_DS: tl.constexpr, D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
+                     EVEN_N: tl.constexpr):
+    """dK, dV of one key block of one (batch, head): walks all query blocks. Both land in DKV, laid
+    out like KV (k at K_OFF, v at V_OFF): a packed source gets its gradient as one buffer.
+    STORE_DS: also stores dS (B, H, SQ, SK) in the input dtype, for dQ = dS K
+    (`_bwd_dq_from_ds_kernel`) and the bias gradient."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+    vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    start_m = 0
+    if CAUSAL:  # query rows before (key - offset) cannot see this key block
+        start_m = tl.maximum(pid_n * BLOCK_N - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M
+    for sm in range(start_m, SQ, BLOCK_M):
+        offs_m = sm + tl.arange(0, BLOCK_M)
+        q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
+        do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
+        bias = _bias_tile(BIAS, h, sm, pid_n * BLOCK_N, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
+        p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+                                   CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
+        if STORE_DS:
+            tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :],
+                     ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+        dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
+    mask = offs_n[:, None] < SK
+    ptrs = b * sdkb + h * D + offs_n[:, None] * sdks + offs_d[None, :]
+    tl.store(DKV + K_OFF + ptrs, dk.to(DKV.dtype.element_ty), mask=mask)
+    tl.store(DKV + V_OFF + ptrs, dv.to(DKV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
+                   sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
+                   H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
+                   HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
+                   CAUSAL: tl.constexpr, IEEE: tl.constexpr, DS_MODE: tl.constexpr, D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """dQ of one query block of one (batch, head): walks all key blocks. DS_MODE 1: also stores
+    dS (B, H, SQ, SK) in the input dtype, which the bias gradient then sums over the batch; 2: adds
+    dS into DS, one fp32 (H, SQ, SK) buffer, with atomic adds (the bias gradient itself)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
+    do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
+    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    end_n = SK
+    if CAUSAL:
+        end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
+    for start_n in range(0, end_n, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+        vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+        bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
+        p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+                                   CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
+        if DS_MODE == 1:
+            tl.store(DS + bh * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds.to(DS.dtype.element_ty),
+                     mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+        elif DS_MODE == 2:
+            tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
+                          mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK), sem="relaxed")
+        dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
+    tl.store(DQ + b * sdqb + h * D + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=offs_m[:, None] < SQ)
+
+
+@triton.jit
+def _bwd_dq_from_ds_kernel(DS, KV, DQ, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, CAUSAL_OFFSET,
+                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
+                           EVEN_N: tl.constexpr):
+    """dQ = dS K of one query block of one (batch, head) from the dS the dK/dV kernel stored: the
+    same products, in the same order, as `_bwd_dq_kernel` with its tiles, without recomputing P
+    and dP. Reads dS once (a streaming GEMM)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    ds_rows = DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK
+    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    end_n = SK
+    if CAUSAL:  # dS is 0 past the diagonal: those key blocks add nothing
+        end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
+    for start_n in range(0, end_n, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+        if EVEN_M and EVEN_N:
+            ds = tl.load(ds_rows + offs_n[None, :])
+        else:
+            ds = tl.load(ds_rows + offs_n[None, :], mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK),
+                         other=0.0)
+        dq += _dot(ds, tl.trans(kt), IEEE)
+    tl.store(DQ + b * sdqb + h * D + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=offs_m[:, None] < SQ)
+
+
+@triton.jit
+def _bwd_dbias_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
+                      sqb, sqs, skb, sks, sdob, sdos, K_OFF, V_OFF,
+                      B, H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
+                      HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
+                      EVEN_N: tl.constexpr):
+    """dbias[h, tile] = sum over the batch of dS, reduced in registers (recomputes P and dO V^T).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    h = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    visible = True
+    if CAUSAL:  # tiles wholly above the diagonal have no gradient
+        visible = pid_n * BLOCK_N <= pid_m * BLOCK_M + BLOCK_M - 1 + CAUSAL_OFFSET
+    if visible:
+        bias = _bias_tile(BIAS, h, 0, 0, offs_m, offs_n, SQ, SK, 0, True, False)  # the same for every b
+        for b in range(0, B):
+            q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
+            do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
+            kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+            vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+            p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ,
+                                       SK, CAUSAL_OFFSET, LSE_STRIDE, True, HAS_MASK, CAUSAL, EVEN_N, IEEE)
+            acc += ds
+    tl.store(DBIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], acc,
+             mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+# fmt: on
