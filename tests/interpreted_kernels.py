@@ -53,27 +53,20 @@ def _check(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> 
         raise SystemExit(f"MISMATCH: {name}: {err:.2e} >= {tol:.0e}")
 
 
-# (bias-gradient path, dQ path, dS sum) triples the backward is checked with: every bias-gradient
-# path with dQ recomputed, and dQ from the dS the dK/dV kernel stores, the bias gradient summed from
-# it in the same kernel or by torch.
-BACKWARD_PATHS = [(path, "recompute", "fused") for path in ta.DBIAS_PATHS] + [
-    ("ds", "stored", "fused"),
-    ("ds", "stored", "torch"),
-]
+# (bias-gradient path, dQ path) pairs the backward is checked with: every bias-gradient path with
+# dQ recomputed, and dQ from the dS the dK/dV kernel stores (which sums dS for the bias gradient).
+BACKWARD_PATHS = [(path, "recompute") for path in ta.DBIAS_PATHS] + [("ds", "stored")]
 
 
-def _backward_tag(dbias_path: str, dq_path: str, ds_sum: str = "fused") -> str:
-    tag = f"bias gradient path {dbias_path}" + ("" if dq_path == "recompute" else f", dQ {dq_path}")
-    return tag + (", dS summed by torch" if ds_sum == "torch" and dq_path != "recompute" else "")
+def _backward_tag(dbias_path: str, dq_path: str) -> str:
+    return f"bias gradient path {dbias_path}" + ("" if dq_path == "recompute" else f", dQ {dq_path}")
 
 
-DEFAULT_PATHS = (ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM)
+DEFAULT_PATHS = (ta.DBIAS_PATH, ta.DQ_PATH)
 
 
-def _set_paths(
-    dbias_path: str = DEFAULT_PATHS[0], dq_path: str = DEFAULT_PATHS[1], ds_sum: str = DEFAULT_PATHS[2]
-) -> None:
-    ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM = dbias_path, dq_path, ds_sum
+def _set_paths(dbias_path: str = DEFAULT_PATHS[0], dq_path: str = DEFAULT_PATHS[1]) -> None:
+    ta.DBIAS_PATH, ta.DQ_PATH = dbias_path, dq_path
 
 
 def check_attention() -> None:
@@ -119,12 +112,7 @@ def check_attention() -> None:
     _set_paths()
 
 
-FAR_TILE_PATHS = {
-    "ds": ("ds", "recompute"),
-    "atomic": ("atomic", "recompute"),
-    "dQ stored": ("ds", "stored", "fused"),
-    "dQ stored, torch sum": ("ds", "stored", "torch"),
-}
+FAR_TILE_PATHS = {"ds": ("ds", "recompute"), "atomic": ("atomic", "recompute"), "dQ stored": ("ds", "stored")}
 
 
 def check_far_tiles() -> None:
@@ -227,13 +215,12 @@ def check_model() -> None:
 
     ref_loss, ref_grads = run("math")
     default_far = ta.FAR_TILES
-    cases = [(paths, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias", "fused")]]
-    cases += [(("ds", "recompute", "fused"), True), (("ds", "stored_bias", "fused"), True)]
-    for paths, far_tiles in cases:
-        _set_paths(*paths)
+    cases = [(*paths, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias")]] + [("ds", "recompute", True)]
+    for dbias_path, dq_path, far_tiles in cases:
+        _set_paths(dbias_path, dq_path)
         ta.FAR_TILES = ta.FAR_TILE_KERNELS if far_tiles else ()
         loss, grads = run("triton")
-        tag = _backward_tag(*paths) + (", far tiles" if far_tiles else "")
+        tag = _backward_tag(dbias_path, dq_path) + (", far tiles" if far_tiles else "")
         _check(f"tiny T5 loss, triton attention ({tag})", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
         _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)

@@ -111,9 +111,9 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore,dqstored,dssumtorch", args)  # fmt: skip
+                      "fartiles,clipbefore,dqstored", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
-                     dbias="kernel", dq="stored", ds_sum="torch", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
+                     dbias="kernel", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
@@ -128,13 +128,11 @@ def test_model_benchmark_variant_items_parse():
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore",
-               *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH],
-               "dqstored,dssumtorch" if ta.DS_SUM == "fused" else "dqstored,dssumfused")}  # fmt: skip
+               *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     assert {parse_variant(item, args)["dq"] for item in DQ_ITEMS} == set(ta.DQ_PATHS)
     assert all(parse_variant(item, args)["dq"] == path for item, path in DQ_ITEMS.items())
-    assert {parse_variant(item, args)["ds_sum"] for item in ("dssumfused", "dssumtorch")} == set(ta.DS_SUMS)
     with pytest.raises(SystemExit, match="fast"):
         parse_variant("triton,fast", args)
     if not torch.cuda.is_available():

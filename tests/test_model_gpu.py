@@ -66,27 +66,13 @@ def test_other_bias_gradient_paths_match_math_fp32(case, path, monkeypatch):
     test_triton_matches_math_fp32(case)
 
 
-@pytest.mark.parametrize("ds_sum", ["fused", "torch"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_dq_from_stored_ds_matches_math(case, dtype, ds_sum, monkeypatch):
-    """DQ_PATH "stored": the dK/dV kernel stores dS and dQ = dS K is computed from it, the bias
-    gradient summed in the same kernel ("fused") or by torch, with and without a bias, masks and the
-    causal diagonal; every gradient as under "recompute"."""
+def test_dq_from_stored_ds_matches_math(case, dtype, monkeypatch):
+    """DQ_PATH "stored": the dK/dV kernel stores dS and dQ = dS K is computed from it, with and
+    without a bias, masks and the causal diagonal; every gradient as under "recompute"."""
     monkeypatch.setattr(ta, "DQ_PATH", "stored")
-    monkeypatch.setattr(ta, "DS_SUM", ds_sum)
     (test_triton_matches_math_fp32 if dtype == "fp32" else test_triton_matches_math_bf16)(case)
-
-
-def test_fused_ds_sum_where_it_fits_and_torch_beyond(monkeypatch):
-    """T5's 512 keys in bf16 take the fused kernel (its row sums and pipelined rows fit); 2048 keys
-    fall back to torch's sum, and the gradients stay right there."""
-    device = torch.device("cuda")
-    assert ta._fused_ds_sum_fits(512, 64, torch.bfloat16, device)
-    assert ta._fused_ds_sum_fits(114, 64, torch.bfloat16, device)
-    assert not ta._fused_ds_sum_fits(2048, 64, torch.bfloat16, device)
-    monkeypatch.setattr(ta, "DQ_PATH", "stored")
-    test_triton_matches_math_bf16((2, 64, 2048, True, True, False))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -15,9 +15,7 @@ fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), dbiaskernel|dbiasatomic
 bias gradient from its separate dbias kernel, or by atomic adds from the dQ kernel, instead of the
 dS that the dQ kernel writes; triton_attention.DBIAS_PATH), dqrecompute|dqstored|dqstoredbias (dQ
 recomputed from P and dP, or computed from the dS that the dK/dV kernel stores, in every attention or
-in those with a bias; triton_attention.DQ_PATH), dssumfused|dssumtorch (with dQ from the stored dS,
-the bias gradient's batch sum in the same kernel or by torch; triton_attention.DS_SUM),
-optcompiled|opteager
+in those with a bias; triton_attention.DQ_PATH), optcompiled|opteager
 (AdamWScale's update compiled or foreach kernels), bf16residual|fp32residual (T5Config.residual_dtype
 "autocast" or "float32"), torchgelu (the gated GELU as torch ops for inductor to fuse instead of
 training/model/triton_gated_gelu.py), fartiles | fartiles=fwd+dq+dkdv | nofartiles (tiles wholly
@@ -57,11 +55,11 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
-    from training.model.triton_attention import DQ_PATH, DS_SUM, FAR_TILES
+    from training.model.triton_attention import DQ_PATH, FAR_TILES
 
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
-        mode=args.compile_mode, dbias="ds", dq=DQ_PATH, ds_sum=DS_SUM, opt_compiled=args.optimizer_compiled,
+        mode=args.compile_mode, dbias="ds", dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -79,8 +77,6 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["dbias"] = item[5:]
         elif item in ("dqrecompute", "dqstored", "dqstoredbias"):
             variant["dq"] = {"dqrecompute": "recompute", "dqstored": "stored", "dqstoredbias": "stored_bias"}[item]
-        elif item in ("dssumfused", "dssumtorch"):
-            variant["ds_sum"] = item[5:]
         elif item in ("optcompiled", "opteager"):
             variant["opt_compiled"] = item == "optcompiled"
         elif item == "torchgelu":
@@ -115,7 +111,6 @@ def variant_label(v: dict) -> str:
     that differs from the default path."""
     notes = [] if v["dbias"] == "ds" else [f"dbias {v['dbias']}"]
     notes += [] if v["dq"] == "recompute" else [f"dQ {v['dq'].replace('_', ' ')}"]
-    notes += [] if v["ds_sum"] == "fused" or v["dq"] == "recompute" else ["dS summed by torch"]
     notes += ["opt compiled"] if v["opt_compiled"] else []
     notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
     notes += [] if v["triton_gelu"] else ["torch GELU"]
@@ -128,13 +123,13 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import triton_attention as ta
     from training.model import triton_gated_gelu
 
-    defaults = ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM, ta.FAR_TILES, triton_gated_gelu.ENABLED
-    ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM = variant["dbias"], variant["dq"], variant["ds_sum"]
-    ta.FAR_TILES, triton_gated_gelu.ENABLED = variant["far_tiles"], variant["triton_gelu"]
+    defaults = ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED
+    ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES = variant["dbias"], variant["dq"], variant["far_tiles"]
+    triton_gated_gelu.ENABLED = variant["triton_gelu"]
     try:
         return _run_variant(variant, args, device)
     finally:
-        ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM, ta.FAR_TILES, triton_gated_gelu.ENABLED = defaults
+        ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED = defaults
 
 
 def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -231,8 +226,8 @@ def attention_microbenchmark(
     batch_size: int, seq: int, heads: int = 12, d_kv: int = 64, iters: int = 20
 ) -> None:
     """Time one encoder self-attention (bias + its gradient) per backend and bias path, from a packed
-    (batch, seq, 3 * heads * d_kv) projection output as the model runs it. A case's path is
-    "DBIAS_PATH[+DQ_PATH[+DS_SUM]]" of triton_attention (the missing parts: recompute, fused). The "T5 bias" cases use
+    (batch, seq, 3 * heads * d_kv) projection output as the model runs it (a path "ds+stored": dQ
+    from the dS that the dK/dV kernel stores). The "T5 bias" cases use
     a bias made from T5's buckets (32, up to distance 128), with and without far tiles."""
     from training.model import triton_attention as ta
     from training.model.attention import (
@@ -252,26 +247,23 @@ def attention_microbenchmark(
     far = bias_saturation_distance(True)
     dout = torch.randn(batch_size, seq, heads * d_kv, device=device, dtype=torch.bfloat16)
     flops = 4 * batch_size * heads * seq * seq * d_kv  # forward QK^T + PV; backward is 2.5x (recomputes QK^T)
-    defaults = ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM, ta.FAR_TILES
+    defaults = ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES
     fwd_far = ta.FAR_TILES
     cases = [  # (name, backend, bias, bias-gradient path of the triton kernels, far distance, far-tile kernels)
-        ("triton, T5 bias, no far tiles, dQ recomputed", "triton", t5_bias, "ds+recompute", far, ()),
-        ("triton, T5 bias, default far tiles, dQ recomputed", "triton", t5_bias, "ds+recompute", far, fwd_far),
-        ("triton, T5 bias, default far tiles, dQ and dbias from the stored dS in one kernel", "triton", t5_bias,
-         "ds+stored+fused", far, fwd_far),
-        ("triton, T5 bias, default far tiles, dQ from the stored dS, dbias summed by torch", "triton", t5_bias,
-         "ds+stored+torch", far, fwd_far),
+        ("triton, T5 bias, no far tiles", "triton", t5_bias, "ds", far, ()),
+        ("triton, T5 bias, default far tiles, dQ from the stored dS", "triton", t5_bias, "ds+stored", far,
+         fwd_far),
         ("triton, no bias, dQ from the stored dS", "triton", None, "ds+stored", 0, ()),
-        *[(f"triton, T5 bias, far tiles (from distance {far}) in {'+'.join(kernels)}, dQ recomputed", "triton",
-           t5_bias, "ds+recompute", far, kernels) for kernels in [("fwd",), ("dq",), ("dkdv",), ta.FAR_TILE_KERNELS]],
-        ("triton, no bias, dQ recomputed", "triton", None, "ds+recompute", 0, ()),
-        ("triton, random dense bias, dbias from the dQ kernel's dS", "triton", dense, "ds", 0, ()),
+        *[(f"triton, T5 bias, far tiles (from distance {far}) in {'+'.join(kernels)}", "triton", t5_bias,
+           "ds", far, kernels) for kernels in [("fwd",), ("dq",), ("dkdv",), ta.FAR_TILE_KERNELS]],
+        ("triton, no bias", "triton", None, "ds", 0, ()),
+        ("triton, random dense bias, dbias from dS (default)", "triton", dense, "ds", 0, ()),
         ("triton, random dense bias, dbias kernel", "triton", dense, "kernel", 0, ()),
         ("triton, random dense bias, dbias by atomic adds", "triton", dense, "atomic", 0, ()),
         ("sdpa, random dense bf16 bias", "sdpa", dense, "ds", 0, ()),
     ]  # fmt: skip
     for name, backend, bias, path, bias_far, far_tiles in cases:
-        ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM = (path.split("+") + ["recompute", "fused"][path.count("+"):])[:3]
+        ta.DBIAS_PATH, ta.DQ_PATH = (path.split("+") + ["recompute"])[:2]
         ta.FAR_TILES = far_tiles
         try:
             with torch.no_grad():
@@ -293,7 +285,7 @@ def attention_microbenchmark(
         except Exception as e:  # noqa: BLE001
             print(f"# {name}: {type(e).__name__}: {str(e)[:200]}")
         finally:
-            ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM, ta.FAR_TILES = defaults
+            ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES = defaults
 
 
 def main(argv: list[str] | None = None) -> None:

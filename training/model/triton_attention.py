@@ -77,13 +77,6 @@ DQDS_BLOCK_M = _bwd_env_int("DQDS", "BM", 64)
 DQDS_BLOCK_N = _bwd_env_int("DQDS", "BN", 64)
 DQDS_WARPS = _bwd_env_int("DQDS", "WARPS", 4)
 DQDS_STAGES = _bwd_env_int("DQDS", "STAGES", 3)
-# dQ and the bias gradient's batch sum from one read of the stored dS (DS_SUM "fused"): BLOCK_M whole
-# dS rows per program; grid (query blocks, heads, batch groups) of about DQDBIAS_PROGRAMS programs.
-DQDBIAS_BLOCK_M = _bwd_env_int("DQDBIAS", "BM", 16)
-DQDBIAS_WARPS = _bwd_env_int("DQDBIAS", "WARPS", 4)
-DQDBIAS_STAGES = _bwd_env_int("DQDBIAS", "STAGES", 2)
-DQDBIAS_PROGRAMS = _bwd_env_int("DQDBIAS", "PROGRAMS", 1024)
-DQDBIAS_MAX_KEYS = 512  # its (BLOCK_M, keys) fp32 sum lives in registers: longer rows use "torch"
 DBIAS_BLOCK_M = _env_int("T5DS_ATTN_DBIAS_BM", 64)
 DBIAS_BLOCK_N = _env_int("T5DS_ATTN_DBIAS_BN", 64)
 DBIAS_WARPS = _env_int("T5DS_ATTN_DBIAS_WARPS", 4)
@@ -95,7 +88,6 @@ if _HAS_TRITON:
     from training.model.triton_attention_kernels import (
         _bwd_dbias_kernel,
         _bwd_dkdv_kernel,
-        _bwd_dq_dbias_from_ds_kernel,
         _bwd_dq_from_ds_kernel,
         _bwd_dq_kernel,
         _fwd_kernel,
@@ -183,28 +175,6 @@ DBIAS_PATH = "ds"
 # costs more than the recomputation saves), hence "stored_bias".
 DQ_PATHS = ("recompute", "stored", "stored_bias")
 DQ_PATH = "stored_bias"
-# Under the "stored" paths, with a bias: "fused" = `_bwd_dq_dbias_from_ds_kernel` also sums the
-# stored dS over the batch while it computes dQ (one read of dS instead of two; keys up to
-# DQDBIAS_MAX_KEYS); "torch" = `_bwd_dq_from_ds_kernel` computes dQ and torch sums dS (inductor then
-# sums every layer's dS in one kernel at the end of the backward). Benchmark variant `dssumtorch`.
-DS_SUMS = ("fused", "torch")
-DS_SUM = "fused"
-
-
-def _fused_ds_sum_fits(SK: int, D: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `_bwd_dq_dbias_from_ds_kernel` can run at this key length here: its fp32 row sums
-    stay in registers up to DQDBIAS_MAX_KEYS keys, and its pipelined dS rows and keys
-    (DQDBIAS_STAGES x (BLOCK_M + D) x keys elements) must fit the device's shared memory, with room
-    to spare for the compiler's own buffers. Otherwise torch sums dS (DS_SUM "torch")."""
-    block_k = triton.next_power_of_2(max(SK, 16))
-    if block_k > DQDBIAS_MAX_KEYS:
-        return False
-    if device.type != "cuda":  # Triton's CPU interpreter: no shared memory to run out of
-        return True
-    need = DQDBIAS_STAGES * (DQDBIAS_BLOCK_M + D) * block_k * torch.empty((), dtype=dtype).element_size()
-    props = torch.cuda.get_device_properties(device)
-    limit = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
-    return need <= limit - 16 * 1024
 
 
 def _launch_bwd(
@@ -241,21 +211,6 @@ def _launch_bwd(
             STORE_DS=True, D=D, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, num_warps=DKDV_WARPS,
             num_stages=DKDV_STAGES, **_even(SQ, SK, DKDV_BLOCK_M, DKDV_BLOCK_N),
         )  # fmt: skip
-        if DS_SUM not in DS_SUMS:
-            raise ValueError(f"triton_attention.DS_SUM must be one of {DS_SUMS}, got {DS_SUM!r}")
-        block_k = triton.next_power_of_2(max(SK, 16))
-        if flags["HAS_BIAS"] and DS_SUM == "fused" and _fused_ds_sum_fits(SK, D, q_src.dtype, q_src.device):
-            m_blocks = triton.cdiv(SQ, DQDBIAS_BLOCK_M)
-            groups = max(1, min(B, DQDBIAS_PROGRAMS // (m_blocks * H)))
-            per_group = triton.cdiv(B, groups)
-            groups = triton.cdiv(B, per_group)
-            partial = torch.empty((groups, H, SQ, SK), dtype=torch.float32, device=q_src.device)
-            wrap(_bwd_dq_dbias_from_ds_kernel)[(m_blocks, H, groups)](
-                ds, kv, dq_src, partial, *kv.stride()[:2], *dq_src.stride()[:2], k_off, B, H, SQ, SK, per_group,
-                IEEE=flags["IEEE"], D=D, BLOCK_M=DQDBIAS_BLOCK_M, BLOCK_K=block_k, num_warps=DQDBIAS_WARPS,
-                num_stages=DQDBIAS_STAGES, EVEN_M=SQ % DQDBIAS_BLOCK_M == 0, EVEN_K=SK == block_k,
-            )  # fmt: skip
-            return dq_src, dkv_src, partial.sum(0)
         wrap(_bwd_dq_from_ds_kernel)[(triton.cdiv(SQ, DQDS_BLOCK_M), B * H)](
             ds, kv, dq_src, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ,
             CAUSAL=causal, IEEE=flags["IEEE"], D=D, BLOCK_M=DQDS_BLOCK_M, BLOCK_N=DQDS_BLOCK_N,

@@ -260,40 +260,6 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, C
 
 
 @triton.jit
-def _bwd_dq_dbias_from_ds_kernel(DS, KV, DQ, DBIAS, skb, sks, sdqb, sdqs, K_OFF, B, H, SQ, SK, B_PER_PROGRAM,
-                                 IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, EVEN_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """dQ = dS K and the bias gradient's partial batch sum from one read of the stored dS: grid
-    (query blocks, heads, batch groups); each program walks the batch elements of its group, each
-    time loading whole dS rows (BLOCK_M x BLOCK_K >= SK) and the head's keys (BLOCK_K x D): one GEMM
-    gives dQ of those rows, and the rows add into a (BLOCK_M, BLOCK_K) fp32 sum, stored at the end as
-    DBIAS[group, h, rows, :]. Programs of one head walk the batch in step, so the keys they share
-    come from L2."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    g = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_d = tl.arange(0, D)
-    inside = (offs_m[:, None] < SQ) & (offs_k[None, :] < SK)
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    b_end = tl.minimum(B, (g + 1) * B_PER_PROGRAM)
-    for b in range(g * B_PER_PROGRAM, b_end):
-        ds_ptrs = DS + (b * H + h).to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_k[None, :]
-        if EVEN_M and EVEN_K:
-            ds = tl.load(ds_ptrs)
-        else:
-            ds = tl.load(ds_ptrs, mask=inside, other=0.0)
-        k = _load_rows(KV + K_OFF, b, h, offs_k, skb, sks, SK, D, EVEN_K)
-        dq = _dot(ds, k, IEEE)
-        tl.store(DQ + b * sdqb + h * D + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=offs_m[:, None] < SQ)
-        acc += ds.to(tl.float32)
-    tl.store(DBIAS + (g * H + h).to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_k[None, :], acc,
-             mask=inside)
-
-
-@triton.jit
 def _bwd_dbias_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
                       sqb, sqs, skb, sks, sdob, sdos, K_OFF, V_OFF,
                       B, H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
