@@ -4,12 +4,13 @@ One encoder self-attention of T5 base as the model runs it: a packed (batch, seq
 bf16 projection output, the (heads, seq, seq) fp32 bias with its gradient. Each kernel is swept
 alone, the others at their defaults: the forward, the dK/dV kernel and the dQ kernel (which also
 writes dS for the bias gradient), or with `--dq-path stored` the dK/dV kernel writing dS and the
-kernel that computes dQ = dS K from it (`dqds`). Prints ms per call (median of `--iters`, CUDA events) and the
-attention TFLOP/s of each configuration, best first, and the winners as environment variables.
+kernel that computes dQ = dS K from it (`dqds`). Prints ms per call (median of `--iters`, CUDA
+events) and the attention TFLOP/s of each configuration, best first, and the winners as environment
+variables.
 
     python benchmarks/attention_tiles.py                    # batch 128, seq 512, the full sweep
     python benchmarks/attention_tiles.py --kernels dkdv --no-bias
-    python benchmarks/attention_tiles.py --kernels dkdv,dqds --dq-path stored
+    python benchmarks/attention_tiles.py --kernels dkdv,dq --dq-path recompute
 """
 
 from __future__ import annotations
@@ -96,20 +97,27 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--d-kv", type=int, default=64)
     parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--kernels", default="fwd,dkdv,dq", help="comma list of fwd, dkdv, dq, dqds")
+    parser.add_argument("--kernels", default="",
+                        help="comma list of fwd, dkdv, dq, dqds (default: the forward and the backward's kernels)")
     parser.add_argument("--dq-path", default=ta.DQ_PATH, choices=ta.DQ_PATHS,
                         help="the backward's dQ path (triton_attention.DQ_PATH); dqds needs stored or stored_bias")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=6, help="rows printed per kernel")
     args = parser.parse_args()
+    # the kernel that computes dQ with these settings: from the stored dS, or the recomputing dQ kernel
+    dq_kernel = "dqds" if args.dq_path == "stored" or (args.dq_path == "stored_bias" and args.bias) else "dq"
+    kernels = [k.strip() for k in (args.kernels or f"fwd,dkdv,{dq_kernel}").split(",")]
+    other = {"dq": "dqds", "dqds": "dq"}[dq_kernel]
+    if other in kernels:
+        raise SystemExit(f"--kernels {other}: with --dq-path {args.dq_path} and {'a' if args.bias else 'no'} bias "
+                         f"the backward runs {dq_kernel}, not {other} (dqds needs --dq-path stored, or stored_bias "
+                         f"with --bias; dq needs recompute)")  # fmt: skip
     if not ta.available():
         raise SystemExit("benchmarks/attention_tiles.py needs triton and a CUDA GPU")
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | DQ_PATH {args.dq_path}")
     ta.DQ_PATH = args.dq_path
-    if "dqds" in args.kernels and args.dq_path == "recompute":
-        raise SystemExit("--kernels dqds times the dQ = dS K kernel: pass --dq-path stored (or stored_bias)")
-    for kernel in args.kernels.split(","):
-        sweep(kernel.strip(), args)
+    for kernel in kernels:
+        sweep(kernel, args)
 
 
 if __name__ == "__main__":

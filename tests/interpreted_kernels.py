@@ -1,7 +1,8 @@
 """The Triton kernels run by Triton's CPU interpreter, against torch's math: the attention kernels
 (with and without the bias, padding and causal masks, packed and separate sources, the three
-bias-gradient paths, dQ recomputed or from the stored dS, far tiles), the gated-GELU kernels, and a tiny T5 whose attention runs through
-the attention kernels (the model uses the GELU kernels on CUDA tensors only).
+bias-gradient paths, dQ recomputed or from the stored dS, far tiles), the gated-GELU kernels, and a
+tiny T5 whose attention runs through the attention kernels (the model uses the GELU kernels on
+CUDA tensors only).
 
 Run by tests/test_kernels_interpreted.py in a subprocess, because TRITON_INTERPRET and the tile
 sizes must be set before the kernel modules are imported:

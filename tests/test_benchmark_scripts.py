@@ -148,6 +148,19 @@ def test_gpu_only_benchmarks_say_what_they_need():
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
 
+@pytest.mark.parametrize(
+    "argv, runs",
+    [([], "dqds"), (["--no-bias"], "dq"), (["--dq-path", "recompute"], "dq"), (["--dq-path", "stored", "--no-bias"], "dqds")],
+)
+def test_attention_tiles_refuses_a_dq_kernel_the_backward_does_not_run(argv, runs):
+    """The sweep times the whole backward: naming the dQ kernel that these settings do not run would
+    time nothing that changes, so it stops before any GPU work and names the one that runs."""
+    other = {"dq": "dqds", "dqds": "dq"}[runs]
+    r = subprocess.run([sys.executable, "benchmarks/attention_tiles.py", "--kernels", f"dkdv,{other}", *argv],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and f"the backward runs {runs}, not {other}" in r.stderr, r.stderr[-500:]
+
+
 def test_gemm_shapes_count_the_model_flops():
     """benchmarks/gemm_shapes.py times every linear layer's GEMMs: three passes of its shapes must
     add up to the model's FLOPs without attention (training.model.flops, the anchors' convention)."""

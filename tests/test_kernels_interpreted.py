@@ -1,6 +1,6 @@
 """The Triton kernels on a machine without a GPU: tests/interpreted_kernels.py run through Triton's
 CPU interpreter (TRITON_INTERPRET=1) with small tiles. tests/test_model_gpu.py runs the same kernels
-compiled, at the real tile sizes, on a GPU."""
+compiled, at the real tile sizes, on a GPU. The checks of the backward's switches need no triton."""
 
 from __future__ import annotations
 
@@ -53,3 +53,29 @@ def test_kernels_match_torch_in_the_triton_interpreter():
         assert f"tiny T5 loss, triton attention (bias gradient path ds, dQ {dq_path})" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, far tiles)" in proc.stdout
     assert proc.stdout.count("with and without far tiles") == 27  # 3 shapes x 3 paths x 3 tensors
+
+
+@pytest.mark.parametrize(
+    "dq_path, dbias_path, message",
+    [
+        ("stored", "atomic", "set DBIAS_PATH to 'ds'"),
+        ("stored", "kernel", "set DBIAS_PATH to 'ds'"),
+        ("recomputed", "ds", "DQ_PATH must be one of"),
+        ("recompute", "sum", "DBIAS_PATH must be one of"),
+    ],
+)
+def test_attention_backward_switches_refuse_what_they_cannot_run(dq_path, dbias_path, message, monkeypatch):
+    """The backward's module switches are checked before any kernel runs (no triton needed here): dQ
+    from the stored dS needs the bias gradient summed from that dS, and unknown values are named."""
+    import torch
+
+    from training.model import triton_attention as ta
+
+    monkeypatch.setattr(ta, "DQ_PATH", dq_path)
+    monkeypatch.setattr(ta, "DBIAS_PATH", dbias_path)
+    b, s, heads, d = 1, 8, 2, 4
+    qkv, bias = torch.randn(b, s, 3 * heads * d), torch.randn(heads, s, s)
+    out, lse, dout = torch.randn(b, s, heads * d), torch.zeros(2, b, heads, s), torch.randn(b, s, heads * d)
+    empty_mask = torch.empty((0,), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=message):
+        ta._launch_bwd(qkv, qkv.new_empty((0,)), bias, empty_mask, out, lse, dout, False, heads)

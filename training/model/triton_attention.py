@@ -169,10 +169,11 @@ DBIAS_PATH = "ds"
 # `_bwd_dq_from_ds_kernel` computes dQ = dS K from it (no recomputation; one batch-sized buffer for
 # the length of the backward, which the bias gradient, when there is one, sums as under "ds");
 # "stored_bias" = "stored" where the bias gradient is summed from dS anyway (a bias, DBIAS_PATH
-# "ds"), "recompute" elsewhere (T5's cross-attention; the other bias-gradient paths). Benchmark variants `dqrecompute`, `dqstored`,
-# `dqstoredbias`. Measured (docs/model.md, tenth session): with T5's bias the encoder layer's backward
-# 2.88 -> 2.61 ms, the step 0.1570 -> 0.1514 s; without a bias 2.05 -> 2.25 ms (the dS round trip
-# costs more than the recomputation saves), hence "stored_bias".
+# "ds"), "recompute" elsewhere (T5's cross-attention; the other bias-gradient paths). Benchmark
+# variants `dqrecompute`, `dqstored`, `dqstoredbias`. Measured (docs/model.md, tenth session): with
+# T5's bias the encoder layer's backward 2.88 -> 2.61 ms, the step 0.1570 -> 0.1514 s; without a
+# bias 2.05 -> 2.25 ms (the dS round trip costs more than the recomputation saves), hence
+# "stored_bias".
 DQ_PATHS = ("recompute", "stored", "stored_bias")
 DQ_PATH = "stored_bias"
 
