@@ -203,41 +203,36 @@ def _launch_bwd(
             f"triton_attention.DQ_PATH 'stored' stores dS, from which the bias gradient is summed: set "
             f"DBIAS_PATH to 'ds' (it is {DBIAS_PATH!r}) or DQ_PATH to 'recompute' or 'stored_bias'"
         )
-    if DQ_PATH == "stored" or (DQ_PATH == "stored_bias" and flags["HAS_BIAS"] and DBIAS_PATH == "ds"):
-        # causal: the dK/dV kernel never visits tiles above the diagonal, so they must read as 0
-        ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
-        wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, DKDV_BLOCK_N), B * H)](
-            q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
-            H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal,
-            STORE_DS=True, D=D, BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, num_warps=DKDV_WARPS,
-            num_stages=DKDV_STAGES, **_even(SQ, SK, DKDV_BLOCK_M, DKDV_BLOCK_N),
-        )  # fmt: skip
-        wrap(_bwd_dq_from_ds_kernel)[(triton.cdiv(SQ, DQDS_BLOCK_M), B * H)](
-            ds, kv, dq_src, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ,
-            CAUSAL=causal, IEEE=flags["IEEE"], D=D, BLOCK_M=DQDS_BLOCK_M, BLOCK_N=DQDS_BLOCK_N,
-            num_warps=DQDS_WARPS, num_stages=DQDS_STAGES, **_even(SQ, SK, DQDS_BLOCK_M, DQDS_BLOCK_N),
-        )  # fmt: skip
-        dbias = ds.sum(0, dtype=torch.float32) if flags["HAS_BIAS"] else torch.zeros_like(bias)
-        return dq_src, dkv_src, dbias
-    ds_mode = 0 if not flags["HAS_BIAS"] else {"ds": 1, "atomic": 2, "kernel": 0}[DBIAS_PATH]
+    dq_from_ds = DQ_PATH == "stored" or (DQ_PATH == "stored_bias" and flags["HAS_BIAS"] and DBIAS_PATH == "ds")
+    # ds_mode (the dQ kernel's DS_MODE): 1 = a (B, H, SQ, SK) dS buffer for the bias gradient (written
+    # by the dQ kernel, or by the dK/dV kernel for dQ from dS); 2 = an fp32 (H, SQ, SK) buffer that the
+    # dQ kernel adds dS into; 0 = none.
+    ds_mode = 1 if dq_from_ds else 0 if not flags["HAS_BIAS"] else {"ds": 1, "atomic": 2, "kernel": 0}[DBIAS_PATH]
     ds = q_src.new_empty((0,))
     if ds_mode == 1:  # causal: tiles above the diagonal are never visited, so they must read as 0
         ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
     elif ds_mode == 2:
         ds = torch.zeros((H, SQ, SK), dtype=torch.float32, device=q_src.device)
-    wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, DQ_BLOCK_M), B * H)](
-        q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
-        H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode, D=D,
-        BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, num_warps=DQ_WARPS, num_stages=DQ_STAGES,
-        **_even(SQ, SK, DQ_BLOCK_M, DQ_BLOCK_N),
-    )  # fmt: skip
+    if not dq_from_ds:
+        wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, DQ_BLOCK_M), B * H)](
+            q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
+            H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode, D=D,
+            BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, num_warps=DQ_WARPS, num_stages=DQ_STAGES,
+            **_even(SQ, SK, DQ_BLOCK_M, DQ_BLOCK_N),
+        )  # fmt: skip
     wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, DKDV_BLOCK_N), B * H)](
         q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
         H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal,
-        STORE_DS=False, D=D,
+        STORE_DS=dq_from_ds, D=D,
         BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, num_warps=DKDV_WARPS, num_stages=DKDV_STAGES,
         **_even(SQ, SK, DKDV_BLOCK_M, DKDV_BLOCK_N),
     )  # fmt: skip
+    if dq_from_ds:
+        wrap(_bwd_dq_from_ds_kernel)[(triton.cdiv(SQ, DQDS_BLOCK_M), B * H)](
+            ds, kv, dq_src, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ,
+            CAUSAL=causal, IEEE=flags["IEEE"], D=D, BLOCK_M=DQDS_BLOCK_M, BLOCK_N=DQDS_BLOCK_N,
+            num_warps=DQDS_WARPS, num_stages=DQDS_STAGES, **_even(SQ, SK, DQDS_BLOCK_M, DQDS_BLOCK_N),
+        )  # fmt: skip
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
     elif ds_mode == 1:
