@@ -138,7 +138,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
                          labels=batch["labels"].to(device, non_blocking=True), return_logits=False)
             engine.backward(out.loss)
-            if micro == cfg.optim.grad_acc - 1 and engine.zero_optimization_stage() == 0:
+            last_micro = micro == cfg.optim.grad_acc - 1
+            if last_micro and engine.zero_optimization_stage() == 0:
                 # ZeRO 1-3 clip inside DeepSpeed and record the pre-clipping norm; with ZeRO 0 the loop
                 # clips (training/grad_clip.py), after the gradients were all-reduced and before the
                 # update, or adamwscale clips inside its step; the norm is read after the update.
@@ -147,7 +148,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
                 elif log_now:
                     grad_l2 = replicated_grad_l2(model)
             engine.step()  # DeepSpeed applies the update only at the gradient-accumulation boundary
-            if clip is not None and micro == cfg.optim.grad_acc - 1:
+            if clip is not None and last_micro:
                 grad_l2 = clip.last_norm()
             window_loss += out.loss.detach().float() / cfg.optim.grad_acc
         step += 1
