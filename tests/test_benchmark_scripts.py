@@ -143,6 +143,7 @@ def test_model_benchmark_variant_items_parse():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_gpu_only_benchmarks_say_what_they_need():
     for script, need in (("benchmarks/attention_tiles.py", "needs triton and a CUDA GPU"),
+                         ("benchmarks/attention_backends.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/gemm_shapes.py", "needs a CUDA GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]

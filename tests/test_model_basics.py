@@ -95,6 +95,60 @@ def test_far_tiles_flags_per_kernel(monkeypatch):
         ta._flags(q, bias, none, 91, "fwd")
 
 
+def test_backend_choice_routes_what_cudnn_does_not_take(monkeypatch):
+    """"auto" is our Triton kernel on CUDA even where cuDNN's fused attention loads (cuDNN is opt-in:
+    slower in the compiled step); cuDNN takes bf16/fp16 without padding masks or dropout, so those
+    cases go to triton (or sdpa where triton is missing), and cached decoding (causal, fewer queries
+    than keys) to sdpa."""
+    from training.model import attention as attn
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(attn.cudnn_attention, "available", lambda: True)
+    monkeypatch.setattr(attn.triton_attention, "available", lambda: True)
+    assert attn.resolve_backend("auto", cuda) == "triton"
+    assert attn.resolve_backend("auto", cpu) == "math"
+    choose = attn._choose_backend
+    assert choose("auto", cuda, False, 512, 512, 0.0, bf16, 64) == "triton"
+    assert choose("cudnn", cuda, False, 512, 512, 0.0, bf16, 64) == "cudnn"
+    assert choose("cudnn", cuda, True, 114, 114, 0.0, torch.float16, 64) == "cudnn"
+    assert choose("cudnn", cuda, False, 512, 512, 0.0, bf16, 64, key_mask=True) == "triton"
+    assert choose("cudnn", cuda, False, 512, 512, 0.0, torch.float32, 64) == "triton"
+    assert choose("cudnn", cuda, False, 512, 512, 0.0, bf16, 12) == "triton"  # d_kv not a multiple of 8
+    assert choose("cudnn", cuda, False, 512, 512, 0.0, bf16, 256) == "triton"
+    assert choose("cudnn", cuda, False, 512, 512, 0.1, bf16, 64) == "sdpa"  # dropout
+    assert choose("cudnn", cuda, True, 1, 9, 0.0, bf16, 64) == "sdpa"  # decoding with a cache
+    monkeypatch.setattr(attn.triton_attention, "available", lambda: False)
+    assert choose("cudnn", cuda, False, 512, 512, 0.0, bf16, 64, key_mask=True) == "sdpa"
+    assert attn.resolve_backend("auto", cuda) == "math"
+
+
+def test_cudnn_backend_without_cudnn_says_what_it_needs(monkeypatch):
+    from training.model import cudnn_attention
+
+    monkeypatch.setattr(cudnn_attention, "available", lambda: False)
+    q_src = torch.zeros(1, 4, 3 * 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="nvidia-cudnn-frontend"):
+        cudnn_attention.cudnn_attention_packed(q_src, None, 2, None, False)
+    monkeypatch.setattr(cudnn_attention, "available", lambda: True)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        cudnn_attention.cudnn_attention_packed(q_src.float(), None, 2, None, False)
+
+
+def test_cudnn_backend_on_cpu_runs_a_backend_that_is_there():
+    """A config naming "cudnn" still trains on a machine without it: fp32 on CPU goes to sdpa, which
+    matches math."""
+    ids = torch.randint(2, 100, (2, 9))
+    labels = torch.randint(2, 100, (2, 5))
+    model = _tiny()
+    ref = model(ids, labels=labels).loss
+    for module in model.modules():
+        if hasattr(module, "backend"):
+            module.backend = "cudnn"
+    torch.testing.assert_close(model(ids, labels=labels).loss, ref)
+    T5Config.from_preset("tiny", attention_backend="cudnn")  # a valid config value
+
+
 def _tiny(seed: int = 0, **overrides) -> T5ForConditionalGeneration:
     torch.manual_seed(seed)
     return T5ForConditionalGeneration(

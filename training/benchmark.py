@@ -10,7 +10,7 @@ back to back on the host clock, as a training loop runs them (compare it with th
     python -m training.benchmark --attention sdpa --no-fused-ce
     python -m training.benchmark --variants "triton;sdpa;triton,nocompile;triton,bs=256"
 
-A variant is a comma list of: an attention backend (triton|sdpa|flex|math), compile|nocompile,
+A variant is a comma list of: an attention backend (triton|cudnn|sdpa|flex|math), compile|nocompile,
 fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), dbiaskernel|dbiasatomic (the fused kernel's
 bias gradient from its separate dbias kernel, or by atomic adds from the dQ kernel, instead of the
 dS that the dQ kernel writes; triton_attention.DBIAS_PATH), dqrecompute|dqstored|dqstoredbias (dQ
@@ -63,7 +63,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        if item in ("triton", "sdpa", "flex", "math"):
+        if item in ("triton", "cudnn", "sdpa", "flex", "math"):
             variant["attention"] = item
         elif item in ("compile", "nocompile"):
             variant["compile"] = item == "compile"
@@ -261,6 +261,8 @@ def attention_microbenchmark(
         ("triton, random dense bias, dbias kernel", "triton", dense, "kernel", 0, ()),
         ("triton, random dense bias, dbias by atomic adds", "triton", dense, "atomic", 0, ()),
         ("sdpa, random dense bf16 bias", "sdpa", dense, "ds", 0, ()),
+        ("cudnn (training/model/cudnn_attention.py), T5 bias in bf16", "cudnn", t5_bias, "ds", far, fwd_far),
+        ("cudnn, no bias", "cudnn", None, "ds", 0, ()),
     ]  # fmt: skip
     for name, backend, bias, path, bias_far, far_tiles in cases:
         ta.DBIAS_PATH, ta.DQ_PATH = (path.split("+") + ["recompute"])[:2]
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--target-length", type=int, default=114)
-    parser.add_argument("--attention", default="triton", choices=["triton", "sdpa", "flex", "math"])
+    parser.add_argument("--attention", default="triton", choices=["triton", "cudnn", "sdpa", "flex", "math"])
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--compile-mode", default="", help="torch.compile mode, e.g. max-autotune-no-cudagraphs"

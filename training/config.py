@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # Mirrors of training.model.config's choices (kept in sync by tests/test_config.py), so that a typo
 # fails at config load, before any process group or model is built.
 MODEL_PRESETS = ("tiny", "small", "base", "large", "xl", "xxl")
-ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton")
+ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton", "cudnn")
 RESIDUAL_DTYPES = ("float32", "autocast")
 ZERO3_COMPILE_MODES = ("blocks", "pointwise")  # training.zero3_compile
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile
@@ -67,7 +67,8 @@ class ModelConfig:
     dropout_rate: float = 0.0
     """Dropout probability in [0, 1). nanoT5 pre-trains with 0.0; T5 fine-tuning used 0.1."""
     attention_backend: str = "auto"
-    """Attention implementation: auto (picks per device) | math | sdpa | flex | triton (training.model)."""
+    """Attention implementation: auto (picks per device) | math | sdpa | flex | triton | cudnn
+    (training.model; docs/model.md)."""
     residual_dtype: str = "float32"
     """Hidden states between blocks: float32 (HF numerics) | autocast (bf16 under bf16 precision, as
     T5X's activations; ~5% faster steps and 3 GiB less at T5-base batch 128, docs/model.md)."""

@@ -17,6 +17,9 @@ Backends (`T5Config.attention_backend`):
 - "sdpa": `torch.nn.functional.scaled_dot_product_attention` with an additive bias mask;
 - "flex": FlexAttention with a score_mod reading the bias (no backward on CPU);
 - "triton": our fused flash-attention kernel with the shared bias and its gradient (CUDA only);
+- "cudnn": cuDNN's fused attention with the shared bias and its gradient (`cudnn_attention.py`;
+  CUDA, bf16/fp16, no key padding mask: other cases run on "triton"). Opt-in: slower than "triton"
+  in the compiled T5 base step on an H100 (docs/model.md);
 - "auto": "triton" on CUDA when triton imports, else "math".
 """
 
@@ -28,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from training.model import triton_attention
+from training.model import cudnn_attention, triton_attention
 
 
 def relative_position_bucket(
@@ -104,16 +107,27 @@ def dense_bias(bias: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
 
 
 def _choose_backend(
-    backend: str, device: torch.device, causal: bool, q_len: int, k_len: int, dropout_p: float
+    backend: str,
+    device: torch.device,
+    causal: bool,
+    q_len: int,
+    k_len: int,
+    dropout_p: float,
+    dtype: torch.dtype = torch.float32,
+    d_kv: int = 64,
+    key_mask: bool = False,
 ) -> str:
-    """The backend that actually runs: fallbacks for dropout, CPU training with flex, cached decoding."""
+    """The backend that actually runs: fallbacks for dropout, CPU training with flex, cached decoding,
+    and what cuDNN does not take (fp32, padding masks). dtype: the inputs' (under autocast, its dtype)."""
     backend = resolve_backend(backend, device)
     is_cuda = device.type == "cuda"
-    if dropout_p > 0.0 and backend in ("triton", "flex"):
+    if backend == "cudnn" and (key_mask or not cudnn_attention.supports(dtype, d_kv)):
+        backend = "triton" if triton_attention.available() else "sdpa"
+    if dropout_p > 0.0 and backend in ("triton", "flex", "cudnn"):
         backend = "sdpa" if is_cuda else "math"
     if backend == "flex" and not is_cuda and torch.is_grad_enabled():
         backend = "math"  # FlexAttention has no backward on CPU (torch 2.13)
-    if backend in ("triton", "flex") and causal and q_len != k_len:
+    if backend in ("triton", "flex", "cudnn") and causal and q_len != k_len:
         backend = "sdpa"  # incremental decoding with a cache: tiny, not worth a fused kernel
     return backend
 
@@ -134,11 +148,17 @@ def attention(
     None (all real). causal: query i sees keys j <= i + (sk - sq) (the offset covers a key/value
     cache). dropout_p applies to the attention probabilities (only the math/sdpa paths support it).
     """
-    backend = _choose_backend(backend, q.device, causal, q.shape[1], k.shape[1], dropout_p)
+    backend = _choose_backend(backend, q.device, causal, q.shape[1], k.shape[1], dropout_p,
+                              _compute_dtype(q), q.shape[-1], key_mask is not None)  # fmt: skip
     if backend == "flex":
         return _flex_attention(q, k, v, bias, key_mask, causal)
     if backend == "triton":
         return triton_attention.t5_flash_attention(q, k, v, bias, key_mask, causal)
+    if backend == "cudnn":  # packs k and v into one tensor first (a copy), as the triton path does
+        kv = torch.cat([k.flatten(2), v.flatten(2)], dim=-1)
+        return cudnn_attention.cudnn_attention_packed(q.flatten(2), kv, q.shape[2], bias, causal).view(
+            q.shape
+        )
     if backend == "math":
         return _math_attention(q, k, v, bias, key_mask, causal, dropout_p)
     if backend == "sdpa":
@@ -171,14 +191,25 @@ def packed_attention(
     else:
         hd, k_at = width, 0
     sk = kv_src.shape[1]
-    chosen = _choose_backend(backend, q_src.device, causal, sq, sk, dropout_p)
+    chosen = _choose_backend(backend, q_src.device, causal, sq, sk, dropout_p, _compute_dtype(q_src),
+                             hd // heads, key_mask is not None)  # fmt: skip
     if chosen == "triton":
         kv = None if kv_src is q_src else kv_src
         return triton_attention.t5_flash_attention_packed(q_src, kv, heads, bias, key_mask, causal, bias_far)
+    if chosen == "cudnn":
+        return cudnn_attention.cudnn_attention_packed(
+            q_src, None if kv_src is q_src else kv_src, heads, bias, causal
+        )
     q = q_src[..., :hd].unflatten(-1, (heads, hd // heads))
     k = kv_src[..., k_at : k_at + hd].unflatten(-1, (heads, hd // heads))
     v = kv_src[..., k_at + hd : k_at + 2 * hd].unflatten(-1, (heads, hd // heads))
     return attention(q, k, v, bias, key_mask, causal, chosen, dropout_p).flatten(2)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's where autocast is on, else the tensor's."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
 def _allowed_mask(

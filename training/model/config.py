@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton")
+ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton", "cudnn")
 FEED_FORWARD_PROJ = ("gated-gelu", "relu")
 RESIDUAL_DTYPES = ("float32", "autocast")
 
@@ -66,7 +66,9 @@ class T5Config:
     decoder_start_token_id: int = 0
     # Attention implementation: "auto" (triton kernel on CUDA, math on CPU), "math" (explicit scores,
     # matches HF eager), "sdpa" (torch SDPA with an additive bias), "flex" (FlexAttention, CUDA only for
-    # training), "triton" (our fused kernel with the shared relative bias and its gradient; CUDA only).
+    # training), "triton" (our fused kernel with the shared relative bias and its gradient; CUDA only),
+    # "cudnn" (cuDNN's fused attention with the bias and its gradient, through nvidia-cudnn-frontend;
+    # bf16/fp16 without padding masks, else triton; slower than triton on an H100, docs/model.md).
     attention_backend: str = "auto"
     # dtype of the residual stream (the hidden states between blocks): "float32" (HF's numerics, the
     # default) or "autocast" (under torch.autocast, the autocast dtype, e.g. bf16 as T5X's activation

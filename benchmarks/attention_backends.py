@@ -1,0 +1,237 @@
+"""Our fused T5 attention against the attention kernels that ship for the GPU, at T5 base's shapes.
+
+The three attentions of a T5 base step at batch 128 (inputs 512, targets 114, 12 heads, d_kv 64,
+bf16): the encoder's self-attention (512 x 512, T5's relative bias, bidirectional), the decoder's
+(114 x 114, causal, bias) and the cross-attention (114 x 512, no bias). Each runs as the model runs
+it: packed projection outputs in, the gradients of the bias included where there is one. Backends:
+
+- `triton`: ours (training/model/triton_attention.py), with the model's defaults.
+- `cudnn`: cuDNN's fused attention through the cudnn-frontend Python graph API, as the model's
+  `cudnn` backend runs it (training/model/cudnn_attention.py; needs `nvidia-cudnn-frontend`): the
+  bias as a (1, H, Sq, Sk) tensor and its gradient dBias, which cuDNN sums over the batch itself,
+  in the inputs' dtype (bf16; ours reads it in fp32: given an fp32 bias, cuDNN 9.19 returned NaN).
+- `sdpa-cudnn`, `sdpa-efficient`, `sdpa-flash`: torch's `scaled_dot_product_attention` with one
+  backend forced. torch's cuDNN backend has no bias gradient (its bias is a constant there, so the
+  row shows what the kernel costs without dBias); the memory-efficient one computes it; flash takes
+  no bias (cross-attention only).
+
+`triton` and `cudnn` run through the model's `packed_attention` under torch.compile, as in the
+training step (`--no-compile`: eager, where the launchers' torch glue runs unfused); the sdpa rows
+are eager. Prints per shape and backend: forward ms (no grad) and backward ms (forward + backward
+less the forward) of GPU time per call (the profiler's device time of every kernel, averaged over
+`--iters` calls: launch gaps do not count, as in a training step where the host runs ahead), their
+sum, attention TFLOP/s (backward counted as 2.5x the forward, as FlashAttention does), and the
+relative error of each output against ours (norm of the difference / norm of ours).
+
+    python benchmarks/attention_backends.py
+    python benchmarks/attention_backends.py --shapes enc --backends triton,cudnn
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.model import triton_attention as ta  # noqa: E402
+from training.model.attention import (  # noqa: E402
+    bias_saturation_distance,
+    dense_bias,
+    packed_attention,
+    relative_position_bucket,
+)
+from training.model.cudnn_attention import head_views  # noqa: E402
+
+BACKENDS = ("triton", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
+SHAPES = {  # name -> (query length, key length, causal, has a bias)
+    "enc": (512, 512, False, True),
+    "dec": (114, 114, True, True),
+    "cross": (114, 512, False, False),
+}
+
+
+class Case:
+    """Inputs of one attention as the model holds them: packed sources, a T5 bias, an output gradient."""
+
+    def __init__(self, shape: str, batch: int, heads: int, d_kv: int, seed: int = 0):
+        sq, sk, self.causal, has_bias = SHAPES[shape]
+        self.b, self.h, self.d, self.sq, self.sk = batch, heads, d_kv, sq, sk
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        hd = heads * d_kv
+        bf16 = dict(device="cuda", dtype=torch.bfloat16)
+        if shape == "cross":
+            self.q_src = torch.randn(batch, sq, hd, generator=gen, **bf16)
+            self.kv_src = torch.randn(batch, sk, 2 * hd, generator=gen, **bf16)
+        else:
+            self.q_src = torch.randn(batch, sq, 3 * hd, generator=gen, **bf16)
+            self.kv_src = self.q_src.new_empty((0,))
+        self.bias = torch.empty((0,), device="cuda")
+        self.far = 0
+        if has_bias:  # T5's bias: a learned value per (head, bucket) of key - query
+            table = torch.randn(heads, 32, generator=gen, device="cuda")
+            relative = torch.arange(-(sq - 1), sk, device="cuda")
+            buckets = relative_position_bucket(relative, bidirectional=not self.causal)
+            self.bias = dense_bias(table[:, buckets], sq, sk).contiguous()
+            self.far = bias_saturation_distance(not self.causal)
+        self.dout = torch.randn(batch, sq, hd, generator=gen, **bf16)
+
+    def flops(self) -> float:
+        pairs = self.sq * self.sk if not self.causal else self.sq * (self.sq + 1) / 2
+        return 4 * self.b * self.h * pairs * self.d
+
+
+def run_model_path(case: Case, backend: str, compiled: bool):
+    """(forward call, forward + backward call, outputs) of the model's `packed_attention` with this
+    backend, compiled as in the training step (inductor fuses the launchers' torch glue: the
+    backward's rowsum(dO * O), the bias gradient's batch sum, the bias's cast for cuDNN) or eager.
+    Outputs: out, dq_src, dkv_src, dbias."""
+    q_src = case.q_src.detach().requires_grad_()
+    kv_src = case.kv_src.detach().requires_grad_() if case.kv_src.numel() else None
+    bias = case.bias.detach().requires_grad_() if case.bias.numel() else None
+    leaves = [t for t in (q_src, kv_src, bias) if t is not None]
+
+    def attend():
+        return packed_attention(q_src, kv_src, case.h, bias, None, case.causal, backend, bias_far=case.far)
+
+    if compiled:
+        torch._dynamo.reset()  # each case compiles afresh (the recompile limit counts per function)
+        attend = torch.compile(attend, fullgraph=True)
+
+    def fwd():
+        with torch.no_grad():
+            attend()
+
+    def fwd_bwd():
+        torch.autograd.grad(attend(), leaves, case.dout)
+
+    out = attend()
+    named = dict(zip(map(id, leaves), torch.autograd.grad(out, leaves, case.dout)))
+    return fwd, fwd_bwd, (out.detach(), named[id(q_src)], named.get(id(kv_src)), named.get(id(bias)))
+
+
+def run_sdpa(case: Case, backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "sdpa-flash": SDPBackend.FLASH_ATTENTION}[backend]  # fmt: skip
+    q_src = case.q_src.detach().requires_grad_()
+    kv_src = case.kv_src.detach().requires_grad_() if case.kv_src.numel() else case.kv_src
+    bias = None
+    if case.bias.numel():
+        if backend == "sdpa-flash":
+            raise RuntimeError("flash attention takes no bias")
+        # bf16 like the inputs (the efficient kernel refuses another dtype); a gradient where it has one
+        bias = case.bias.to(torch.bfloat16)[None].requires_grad_(backend == "sdpa-efficient")
+    leaves = [t for t in (q_src, kv_src, bias) if t is not None and t.requires_grad]
+
+    def forward():
+        q, k, v = head_views(q_src, kv_src, case.h)
+        with sdpa_kernel(chosen):
+            causal = case.causal and bias is None
+            mask = bias
+            if case.causal and bias is not None:  # causal and a bias: the mask carries both
+                keep = torch.ones(case.sq, case.sk, device="cuda", dtype=torch.bool).tril()
+                mask = bias.masked_fill(~keep, float("-inf"))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=1.0)
+        return out.transpose(1, 2).flatten(2)
+
+    out = forward()
+    grads = torch.autograd.grad(out, leaves, case.dout)
+
+    def fwd():
+        with torch.no_grad():
+            forward()
+
+    def fwd_bwd():
+        torch.autograd.grad(forward(), leaves, case.dout)
+
+    named = dict(zip([id(t) for t in leaves], grads))
+    dbias = named.get(id(bias))
+    outputs = (out.detach(), named[id(q_src)], named.get(id(kv_src)), None if dbias is None else dbias[0])
+    return fwd, fwd_bwd, outputs
+
+
+def kernel_ms(fn, iters: int) -> float:
+    """GPU time of one call in ms: the device time of every kernel (and copy) that `iters` calls ran,
+    from torch's profiler, divided by iters. Idle gaps while the host launches do not count: at these
+    sizes a lone call is launch-bound, while in a training step the host runs ahead of the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3
+
+
+def rel_err(x, ref) -> str:
+    if x is None or ref is None or ref.numel() == 0:
+        return "-"
+    return f"{(x.float() - ref.float()).norm().item() / max(ref.float().norm().item(), 1e-30):.1e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--d-kv", type=int, default=64)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="triton and cudnn through torch.compile, as the training step runs them")  # fmt: skip
+    args = parser.parse_args()
+    shapes = [s.strip() for s in args.shapes.split(",")]
+    backends = [b.strip() for b in args.backends.split(",")]
+    for name in shapes:
+        if name not in SHAPES:
+            raise SystemExit(f"--shapes: unknown shape {name!r}; choose among {', '.join(SHAPES)}")
+    for name in backends:
+        if name not in BACKENDS:
+            raise SystemExit(f"--backends: unknown backend {name!r}; choose among {', '.join(BACKENDS)}")
+    if not ta.available():
+        raise SystemExit("benchmarks/attention_backends.py needs triton and a CUDA GPU")
+    cudnn_version = torch.backends.cudnn.version()
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | cuDNN {cudnn_version} | "
+          f"batch {args.batch_size}, {args.heads} heads, d_kv {args.d_kv}, bf16")  # fmt: skip
+    print(
+        "| shape | backend | fwd ms | bwd ms | sum ms | fwd TFLOP/s | bwd TFLOP/s | err out | err dq_src | err dkv_src | err dbias |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in shapes:
+        case = Case(name, args.batch_size, args.heads, args.d_kv)
+        ref = None
+        for backend in backends:
+            try:
+                if backend in ("triton", "cudnn"):
+                    fwd, fwd_bwd, outputs = run_model_path(case, backend, args.compile)
+                else:
+                    fwd, fwd_bwd, outputs = run_sdpa(case, backend)
+                torch.cuda.synchronize()
+                f_ms, total_ms = (kernel_ms(f, args.iters) for f in (fwd, fwd_bwd))
+                b_ms = total_ms - f_ms
+            except Exception as e:  # noqa: BLE001 - a backend that refuses this shape is a result too
+                print(f"| {name} | {backend} | {type(e).__name__}: {str(e)[:160]!r} |", flush=True)
+                continue
+            if backend == "triton":
+                ref = outputs
+            errs = [rel_err(x, r) for x, r in zip(outputs, ref)] if ref is not None else ["-"] * 4
+            fl = case.flops()
+            print(f"| {name} | {backend} | {f_ms:.3f} | {b_ms:.3f} | {f_ms + b_ms:.3f} | {fl / f_ms / 1e9:.0f} | "
+                  f"{2.5 * fl / b_ms / 1e9:.0f} | {' | '.join(errs)} |", flush=True)  # fmt: skip
+            del fwd, fwd_bwd, outputs
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
