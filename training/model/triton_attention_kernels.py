@@ -85,6 +85,24 @@ def _load_cols(PTR, b, h, offs_n, sb, ss, SK, D: tl.constexpr, EVEN: tl.constexp
 
 
 @triton.jit
+def _store_rows(PTR, x, b, h, offs_m, sb, ss, SQ, D: tl.constexpr):
+    """Stores the (BM, D) tile x, cast to PTR's dtype, as head h of a row-major source (the twin of
+    `_load_rows`); rows past SQ are skipped."""
+    offs_d = tl.arange(0, D)
+    tl.store(PTR + b * sb + h * D + offs_m[:, None] * ss + offs_d[None, :], x.to(PTR.dtype.element_ty),
+             mask=offs_m[:, None] < SQ)
+
+
+@triton.jit
+def _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """One past the last key that query block pid_m sees: SK, or the end of the causal diagonal."""
+    if CAUSAL:
+        return tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
+    else:
+        return SK
+
+
+@triton.jit
 def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OFF, V_OFF,
                 H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
                 HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -95,14 +113,11 @@ def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OF
     b = bh // H
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
     q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    end_n = SK
-    if CAUSAL:
-        end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
+    end_n = _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M, CAUSAL)
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
@@ -117,8 +132,7 @@ def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OF
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     acc = acc / l_i[:, None]
-    tl.store(OUT + b * sob + h * D + offs_m[:, None] * sos + offs_d[None, :], acc.to(OUT.dtype.element_ty),
-             mask=offs_m[:, None] < SQ)
+    _store_rows(OUT, acc, b, h, offs_m, sob, sos, SQ, D)
     # Row max (base 2) and 1/sum kept apart: m + log2(l) would lose log2(l) on rows with no visible key.
     tl.store(LSE + bh * SQ + offs_m, m_i, mask=offs_m < SQ)
     tl.store(LSE + LSE_STRIDE + bh * SQ + offs_m, 1.0 / l_i, mask=offs_m < SQ)
@@ -161,7 +175,6 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
     b = bh // H
     h = bh % H
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
     kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
     vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
@@ -181,10 +194,8 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
                      ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
-    mask = offs_n[:, None] < SK
-    ptrs = b * sdkb + h * D + offs_n[:, None] * sdks + offs_d[None, :]
-    tl.store(DKV + K_OFF + ptrs, dk.to(DKV.dtype.element_ty), mask=mask)
-    tl.store(DKV + V_OFF + ptrs, dv.to(DKV.dtype.element_ty), mask=mask)
+    _store_rows(DKV + K_OFF, dk, b, h, offs_n, sdkb, sdks, SK, D)
+    _store_rows(DKV + V_OFF, dv, b, h, offs_n, sdkb, sdks, SK, D)
 
 
 @triton.jit
@@ -202,13 +213,10 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
     b = bh // H
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
     q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
     do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    end_n = SK
-    if CAUSAL:
-        end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
+    end_n = _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M, CAUSAL)
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
@@ -223,8 +231,7 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
             tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
                           mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK), sem="relaxed")
         dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
-    tl.store(DQ + b * sdqb + h * D + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=offs_m[:, None] < SQ)
+    _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
 
 
 @triton.jit
@@ -240,12 +247,9 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, C
     b = bh // H
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
     ds_rows = DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    end_n = SK
-    if CAUSAL:  # dS is 0 past the diagonal: those key blocks add nothing
-        end_n = tl.minimum(SK, (pid_m + 1) * BLOCK_M + CAUSAL_OFFSET)
+    end_n = _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M, CAUSAL)  # dS is 0 past the causal diagonal
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
@@ -255,8 +259,7 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, C
             ds = tl.load(ds_rows + offs_n[None, :], mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK),
                          other=0.0)
         dq += _dot(ds, tl.trans(kt), IEEE)
-    tl.store(DQ + b * sdqb + h * D + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=offs_m[:, None] < SQ)
+    _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
 
 
 @triton.jit
