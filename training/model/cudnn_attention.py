@@ -160,6 +160,7 @@ def _graphs(q, k, v, bias, out, stats, causal: bool) -> tuple[_Graph, _Graph]:
     forward = _Graph(g, t)
 
     g = _new_graph(q.dtype, handle)
+    # dO has out's layout: (B, SQ, H * D) contiguous, the backward makes it so
     t = {name: g.tensor_like(x) for name, x in dict(q=q, k=k, v=v, o=out, dO=out, stats=stats).items()}
     extra = {}
     if bias is not None:
@@ -198,10 +199,9 @@ def _launch_bwd(q_src, kv_src, bias, out, stats, dout, causal: bool, heads: int)
     empty gradient) and of the (H, SQ, SK) bias, in the bias's dtype."""
     q_src, kv_src, bias, out, stats, dout = (t.detach() for t in (q_src, kv_src, bias, out, stats, dout))
     q, k, v = head_views(q_src, kv_src, heads)
-    b, h, sq, d = q.shape
     dq_src, dkv_src = torch.empty_like(q_src), torch.empty_like(kv_src)
     dq, dk, dv = head_views(dq_src, dkv_src, heads)
-    o, do = _heads_view(out, 0, h, d), _heads_view(dout, 0, h, d)
+    o, do = (_heads_view(t, 0, heads, q.shape[-1]) for t in (out, dout))
     bias4 = bias[None] if bias.numel() else None
     _, backward = _graphs(q, k, v, bias4, o, stats, causal)
     dbias = torch.empty_like(bias)
