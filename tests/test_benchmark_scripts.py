@@ -174,3 +174,16 @@ def test_gemm_shapes_count_the_model_flops():
     heads, d_kv = config.num_heads, config.d_kv  # attention scores and values, forward x 3
     attention = 3 * 2 * 2 * 128 * heads * d_kv * (12 * 512 * 512 + 12 * 114 * 114 + 12 * 114 * 512)
     assert linear + attention == model_flops_per_step(config, 128, 512, 114)
+
+
+def test_sni_generation_benchmark_runs_on_cpu_greedy_and_beam():
+    """`training.sni.benchmark_eval` prints one JSON row per batch size, for greedy and beam search."""
+    for beams in (1, 2):
+        r = subprocess.run([sys.executable, "-m", "training.sni.benchmark_eval", "--data", "tests/assets/sni",
+                            "--preset", "tiny", "--instances", "6", "--batch-sizes", "3", "6", "--max-new-tokens",
+                            "3", "--dtype", "fp32", "--num-beams", str(beams)],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-800:]
+        rows = [json.loads(line) for line in r.stdout.splitlines()]
+        assert [row["batch_size"] for row in rows] == [3, 6]
+        assert all(row["num_beams"] == beams and row["instances"] == 6 and row["seconds"] > 0 for row in rows)

@@ -15,6 +15,7 @@ from training.model.attention import (
 )
 from training.model.cross_entropy import fused_linear_cross_entropy
 from training.model.flops import model_flops_per_step
+from training.model.generation import beam_search_generate
 
 
 def mesh_tf_bucket(rel: int, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> int:
@@ -272,6 +273,36 @@ def test_generate_stops_at_eos_and_pads_after():
     for row in got[eos_rows]:
         first = int((row == 1).nonzero()[0])
         assert (row[first + 1 :] == 0).all()
+
+
+def test_beam_search_rows_are_independent_and_padded_after_eos():
+    """Each row's beams stay with that row: a batch decodes as its rows do one by one (the cache
+    reordering never mixes rows), and rows are padded after their EOS."""
+    model = _tiny(seed=4, vocab_size=64)
+    with torch.no_grad():
+        model.lm_head.weight[model.config.eos_token_id] *= 3.0
+    input_ids = torch.randint(2, 64, (4, 9))
+    mask = torch.ones_like(input_ids)
+    mask[2, -4:] = 0
+    got = model.generate(input_ids, attention_mask=mask, max_new_tokens=9, num_beams=3)
+    assert (got[:, 0] == model.config.decoder_start_token_id).all() and got.shape[1] <= 10
+    for i in range(4):
+        alone = model.generate(input_ids[i : i + 1], attention_mask=mask[i : i + 1], max_new_tokens=9, num_beams=3)
+        assert torch.equal(got[i, : alone.shape[1]], alone[0]) and (got[i, alone.shape[1] :] == 0).all()
+    eos_rows = (got == 1).any(dim=1)
+    assert eos_rows.any()
+    for row in got[eos_rows]:
+        first = int((row == 1).nonzero()[0])
+        assert (row[first + 1 :] == 0).all()
+
+
+def test_beam_search_rejects_bad_arguments():
+    model = _tiny(seed=0)
+    input_ids = torch.randint(2, 32128, (1, 5))
+    with pytest.raises(ValueError, match="num_beams must be >= 1"):
+        beam_search_generate(model, input_ids, num_beams=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        model.generate(input_ids, max_new_tokens=0, num_beams=2)
 
 
 def _hf_parameter_count(config: T5Config) -> int:

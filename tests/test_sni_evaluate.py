@@ -96,6 +96,48 @@ def test_tiny_model_predicts_every_requested_instance(tmp_path, tokenizer):
     assert not model.training
 
 
+
+class RecordingEchoModel(EchoModel):
+    """EchoModel whose generate also takes keyword arguments and records them."""
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=128, **kwargs):
+        self.kwargs = kwargs
+        return super().generate(input_ids, attention_mask, max_new_tokens)
+
+
+def test_beam_search_evaluation(tmp_path, tokenizer):
+    """eval.num_beams > 1 hands num_beams and length_penalty to generate (greedy hands neither, so
+    a model whose generate lacks them still evaluates), and the predictions are the model's beams."""
+    eval_set = build_eval_set(SNI_ASSETS, tokenizer, max_instances_per_task=2)
+    echo = RecordingEchoModel()
+    evaluate_sni(echo, eval_set, tokenizer, batch_size=3)
+    assert echo.kwargs == {}
+    evaluate_sni(echo, eval_set, tokenizer, batch_size=3, num_beams=3, length_penalty=0.5)
+    assert echo.kwargs == {"num_beams": 3, "length_penalty": 0.5}
+
+    model = _tiny_model()
+    evaluate_sni(model, eval_set, tokenizer, out_dir=tmp_path, batch_size=3, max_new_tokens=6, num_beams=3)
+    predictions = {r["id"]: r["prediction"] for r in _read_predictions(tmp_path / "predictions.jsonl")}
+    beams, greedy = {}, {}
+    for example in eval_set.examples:
+        ids = torch.as_tensor(example.input_ids, dtype=torch.long)[None]
+        for out, kwargs in ((beams, {"num_beams": 3}), (greedy, {})):
+            row = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, **kwargs)[0]
+            out[example.id] = decode_generated(row.tolist(), tokenizer)
+    assert predictions == beams
+    assert predictions != greedy  # so the comparison above could tell beam search from greedy
+
+
+def test_finetune_eval_config_checks_num_beams():
+    from training.config import ConfigError, load_run_config
+    from training.finetune_config import FinetuneConfig
+
+    tiny = Path(__file__).resolve().parents[1] / "training" / "configs" / "sni_tiny.yaml"
+    cfg = load_run_config(tiny, ["eval.num_beams=4", "eval.length_penalty=0.6"], root=FinetuneConfig)
+    assert (cfg.eval.num_beams, cfg.eval.length_penalty) == (4, 0.6)
+    with pytest.raises(ConfigError, match="eval.num_beams=0 must be >= 1"):
+        load_run_config(tiny, ["eval.num_beams=0"], root=FinetuneConfig)
+
 def _spawned_eval(rank, world_size, port, out_dir, model_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two processes on a 2-core CI machine

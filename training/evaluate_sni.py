@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instances per generate call per rank (larger is faster on a GPU)",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation length (Tk-Instruct: 128)")
+    p.add_argument(
+        "--num-beams", type=int, default=1, help="1 = greedy (Tk-Instruct); k > 1 = beam search with k beams"
+    )
+    p.add_argument(
+        "--length-penalty", type=float, default=1.0, help="beam search: score / length**penalty (HF's 1.0)"
+    )
     p.add_argument("--max-source-length", type=int, default=1024, help="prompt length in tokens (1024)")
     p.add_argument("--spiece", default=DEFAULT_SPIECE, help="T5 SentencePiece model")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype for generation")
@@ -135,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         world_size=world_size,
         max_new_tokens=args.max_new_tokens,
         device=device,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
     )
     if rank == 0:
         summary = {k: metrics[k] for k in ("rougeL", "exact_match", "n_instances", "n_tasks", "n_missing")}

@@ -107,7 +107,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         with autocast:
             result = evaluate_sni(engine.module, eval_set, tokenizer, out_dir=out_dir / "sni_eval" / f"step_{step:08d}",
                                   batch_size=cfg.eval.batch_size, rank=rank, world_size=world_size,
-                                  max_new_tokens=cfg.eval.max_new_tokens, device=device)
+                                  max_new_tokens=cfg.eval.max_new_tokens, device=device,
+                                  num_beams=cfg.eval.num_beams, length_penalty=cfg.eval.length_penalty)
         engine.train()
         record = {"step": step, "rougeL": result["rougeL"], "exact_match": result["exact_match"],
                   "n_instances": result["n_instances"], "eval_seconds": result.get("eval_seconds")}

@@ -64,11 +64,18 @@ class SNIEvalConfig:
     batch_size: int = 128
     """Generation batch per rank (sequences); larger is faster on a GPU (docs/finetune_sni.md)."""
     max_new_tokens: int = 128
-    """Greedy decoding length limit (Tk-Instruct: 128)."""
+    """Decoding length limit in tokens (Tk-Instruct: 128)."""
+    num_beams: int = 1
+    """1 = greedy decoding (Tk-Instruct's protocol); k > 1 = beam search with k beams, as transformers'
+    `generate(num_beams=k)` decodes (k times the generation batch's decoder work and cache)."""
+    length_penalty: float = 1.0
+    """Beam search only: a finished beam scores its summed log-probability / length ** length_penalty
+    (transformers' default 1.0; > 1 favours longer outputs, 0 ranks by summed log-probability)."""
 
     def __post_init__(self) -> None:
         _check(self.every_steps >= 0, f"eval.every_steps={self.every_steps} must be >= 0 (0 = only at the end)")
         _check(self.batch_size >= 1 and self.max_new_tokens >= 1, "eval.batch_size and max_new_tokens must be >= 1")
+        _check(self.num_beams >= 1, f"eval.num_beams={self.num_beams} must be >= 1 (1 = greedy decoding)")
 
 
 def _nanot5_finetune_optim() -> OptimConfig:

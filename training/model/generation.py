@@ -1,14 +1,39 @@
-"""Greedy decoding with a key/value cache for `T5ForConditionalGeneration`.
+"""Greedy and beam-search decoding with a key/value cache for `T5ForConditionalGeneration`.
 
 Output convention is HF's: each row starts with decoder_start_token_id, then the generated tokens;
 a row that produced EOS is padded with pad_token_id afterwards, and decoding stops once every row
 has finished or max_new_tokens were produced. `tokenizer.batch_decode(out, skip_special_tokens=True)`
 gives the text.
+
+Beam search follows transformers' (5.x) `generate(num_beams=k, do_sample=False)` with its defaults
+(`early_stopping=False`, `length_penalty`), so the same weights give the same tokens (tested):
+
+- Each step scores every (beam, token) continuation by its summed log-probability and keeps the
+  best 2k (a beam proposes EOS at most once, so at least k of them continue).
+- Of those, the ones in the first k that end in EOS (every one of the first k at the last step)
+  become finished hypotheses, scored by summed log-probability / generated length ** length_penalty
+  (EOS counted); each row keeps its k best. The best k that did not end continue.
+- A row stops taking hypotheses once it holds k of them and its best running beam, normalised by
+  the current length, no longer beats the worst of them (HF's heuristic for early_stopping=False);
+  decoding ends when no row can improve or after max_new_tokens.
+- The result is each row's best finished hypothesis.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _decode_step(model, step_input, encoder_out, attention_mask, caches, past_length) -> torch.Tensor:
+    """(rows, vocab) logits of the next token after `step_input` (rows, 1), the cache extended."""
+    hidden = model.decoder(
+        step_input,
+        encoder_hidden_states=encoder_out,
+        encoder_attention_mask=attention_mask,
+        caches=caches,
+        past_length=past_length,
+    )
+    return model.lm_head(model.head_input(hidden[:, -1]))
 
 
 @torch.no_grad()
@@ -30,14 +55,7 @@ def greedy_generate(
         finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
         step_input = out
         for step in range(max_new_tokens):
-            hidden = model.decoder(
-                step_input,
-                encoder_hidden_states=encoder_out,
-                encoder_attention_mask=attention_mask,
-                caches=caches,
-                past_length=step,
-            )
-            logits = model.lm_head(model.head_input(hidden[:, -1]))
+            logits = _decode_step(model, step_input, encoder_out, attention_mask, caches, step)
             next_token = logits.argmax(dim=-1)
             next_token = torch.where(finished, torch.full_like(next_token, config.pad_token_id), next_token)
             out = torch.cat([out, next_token[:, None]], dim=1)
@@ -46,5 +64,95 @@ def greedy_generate(
                 break
             step_input = next_token[:, None]
         return out
+    finally:
+        model.train(was_training)
+
+
+def _pick(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values[b, index[b, j], ...] for (batch, n, ...) values and (batch, m) index."""
+    return values.gather(
+        1, index.view(*index.shape, *([1] * (values.dim() - 2))).expand(-1, -1, *values.shape[2:])
+    )
+
+
+@torch.no_grad()
+def beam_search_generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 128,
+    num_beams: int = 4,
+    length_penalty: float = 1.0,
+) -> torch.Tensor:
+    """(batch, <= 1 + max_new_tokens) LongTensor: each row's best beam; see the module docstring."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if num_beams < 1:
+        raise ValueError(f"num_beams must be >= 1 (1 is greedy decoding), got {num_beams}")
+    config = model.config
+    batch, k, device = input_ids.shape[0], num_beams, input_ids.device
+    was_training = model.training
+    model.eval()
+    try:
+        # Every beam of a row attends to that row's encoder output: rows are (batch * k), beam-major
+        # within a row, and the cross-attention k/v computed at the first step never need reordering.
+        encoder_out = model.encoder(input_ids, attention_mask).repeat_interleave(k, dim=0)
+        mask = None if attention_mask is None else attention_mask.repeat_interleave(k, dim=0)
+        caches: list[dict] = [{} for _ in model.decoder.block]
+        width = 1 + max_new_tokens
+        running = torch.full((batch, k, width), config.pad_token_id, dtype=torch.long, device=device)
+        running[:, :, 0] = config.decoder_start_token_id
+        # Summed log-probabilities of the running beams. Only beam 0 starts live, so the first step
+        # does not propose the same continuation k times.
+        running_scores = torch.full((batch, k), float("-inf"), device=device)
+        running_scores[:, 0] = 0.0
+        finished = running.clone()  # each row's k best finished hypotheses so far
+        finished_scores = torch.full((batch, k), float("-inf"), device=device)
+        can_improve = torch.ones(batch, dtype=torch.bool, device=device)
+        first_k = torch.arange(2 * k, device=device) < k
+        row_offset = torch.arange(batch, device=device)[:, None] * k
+        step_input = running[:, :, 0].reshape(batch * k, 1)
+        for step in range(max_new_tokens):
+            position, last = step + 1, step + 1 == max_new_tokens  # `position` tokens generated after this
+            logits = _decode_step(model, step_input, encoder_out, mask, caches, step).float()
+            vocab = logits.shape[-1]
+            scores = torch.log_softmax(logits, dim=-1).view(batch, k, vocab) + running_scores[:, :, None]
+            top_scores, top_index = scores.view(batch, k * vocab).topk(2 * k, dim=1)  # sorted, best first
+            top_beam, top_token = top_index // vocab, top_index % vocab
+            top_seqs = _pick(running, top_beam)
+            top_seqs[:, :, position] = top_token
+            ends = (top_token == config.eos_token_id) | last
+
+            # Finished hypotheses: candidates among the best k that end here, length-normalised.
+            new_scores = top_scores / position**length_penalty
+            new_scores = new_scores.masked_fill(~(ends & first_k & can_improve[:, None]), float("-inf"))
+            keep = torch.cat([finished_scores, new_scores], dim=1).topk(k, dim=1).indices
+            finished = _pick(torch.cat([finished, top_seqs], dim=1), keep)
+            finished_scores = _pick(torch.cat([finished_scores, new_scores], dim=1), keep)
+            if last:
+                break
+
+            # The best k candidates that did not end continue; their caches follow them.
+            cont = top_scores.masked_fill(ends, float("-inf")).topk(k, dim=1).indices
+            running, running_scores = _pick(top_seqs, cont), _pick(top_scores, cont)
+            source_rows = (_pick(top_beam, cont) + row_offset).view(-1)
+            for cache in caches:
+                cache["self_k"], cache["self_v"] = cache["self_k"][source_rows], cache["self_v"][source_rows]
+            step_input = running[:, :, position].reshape(batch * k, 1)
+
+            # HF's early_stopping=False heuristic: a row with k hypotheses whose best running beam,
+            # normalised by the current length, does not beat its worst one is done for good.
+            full = torch.isfinite(finished_scores).all(dim=1)
+            worst = torch.where(full, finished_scores.min(dim=1).values, float("-inf"))
+            can_improve &= running_scores[:, 0] / position**length_penalty > worst
+            if not bool(can_improve.any()):
+                break
+
+        # A hypothesis ends at its only EOS (pad after it) or at the last column; cut the columns
+        # that no row's best hypothesis reached.
+        best = finished[:, 0]
+        is_eos = best[:, 1:] == config.eos_token_id
+        lengths = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 2, width)
+        return best[:, : int(lengths.max())]
     finally:
         model.train(was_training)

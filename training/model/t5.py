@@ -408,9 +408,19 @@ class T5ForConditionalGeneration(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 128,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
     ) -> torch.Tensor:
-        """Greedy decoding with a key/value cache (see `generation.greedy_generate`)."""
-        from training.model.generation import greedy_generate
+        """Greedy decoding (num_beams=1) or beam search with a key/value cache, as transformers'
+        `generate(num_beams=..., length_penalty=...)` decodes (see `training.model.generation`)."""
+        from training.model.generation import beam_search_generate, greedy_generate
 
-        return greedy_generate(self, input_ids, attention_mask, max_new_tokens)
+        if num_beams == 1:
+            return greedy_generate(self, input_ids, attention_mask, max_new_tokens)
+        return beam_search_generate(
+            self, input_ids, attention_mask, max_new_tokens, num_beams, length_penalty
+        )

@@ -1,7 +1,7 @@
 """Time SNI generation (the costly part of `evaluate_sni`) for a model size on this machine.
 
     python -m training.sni.benchmark_eval --data /work/shared/data/sni --preset base \
-        --instances 1024 --batch-sizes 32 64 128 [--checkpoint HF_DIR] [--dtype bf16]
+        --instances 1024 --batch-sizes 32 64 128 [--checkpoint HF_DIR] [--dtype bf16] [--num-beams 4]
 
 Without --checkpoint the model is randomly initialised: it never emits EOS, so every batch runs the
 full 128 decoding steps (an upper bound; a fine-tuned model answers in ~9 tokens on average and a
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--instances", type=int, default=1024, help="random sample of test instances")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-beams", type=int, default=1, help="1 = greedy; k > 1 = beam search")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     args = p.parse_args(argv)
 
@@ -50,16 +51,30 @@ def main(argv: list[str] | None = None) -> None:
             .to(device=device, dtype=dtype)
             .eval()
         )
+    # Warm-up: one untimed pass over the same instances, so that the kernels every prompt length
+    # needs (the encoder's attention compiles per tile-alignment case) are built before timing.
     generate_predictions(
-        model, examples[:8], tokenizer, batch_size=8, max_new_tokens=4, device=device
-    )  # warm-up
+        model,
+        examples,
+        tokenizer,
+        args.batch_sizes[0],
+        max_new_tokens=args.max_new_tokens,
+        device=device,
+        num_beams=args.num_beams,
+    )
     for batch_size in args.batch_sizes:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.time()
         generate_predictions(
-            model, examples, tokenizer, batch_size, max_new_tokens=args.max_new_tokens, device=device
+            model,
+            examples,
+            tokenizer,
+            batch_size,
+            max_new_tokens=args.max_new_tokens,
+            device=device,
+            num_beams=args.num_beams,
         )
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -71,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             "instances": len(examples),
             "batch_size": batch_size,
             "max_new_tokens": args.max_new_tokens,
+            "num_beams": args.num_beams,
             "seconds": round(seconds, 2),
             "instances_per_s": round(len(examples) / seconds, 1),
             "full_test_set_minutes": round(len(eval_set.examples) / (len(examples) / seconds) / 60, 2),

@@ -119,11 +119,16 @@ def generate_predictions(
     world_size: int = 1,
     max_new_tokens: int = 128,
     device: torch.device | None = None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
 ) -> dict[str, str]:
-    """Greedy predictions (id -> text) for this rank's share of `examples`.
+    """Predictions (id -> text) for this rank's share of `examples`: greedy, or beam search with
+    `num_beams` > 1.
 
     `model.generate(input_ids, attention_mask=..., max_new_tokens=...)` must return a LongTensor
-    whose rows start with the decoder start token (our T5 and HF's do)."""
+    whose rows start with the decoder start token (our T5 and HF's do); with num_beams > 1 it is also
+    given `num_beams=` and `length_penalty=` (both models take them)."""
+    beam_args = {"num_beams": num_beams, "length_penalty": length_penalty} if num_beams > 1 else {}
     device = device or _model_device(model)
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -137,6 +142,7 @@ def generate_predictions(
                 batch["input_ids"].to(device),
                 attention_mask=batch["attention_mask"].to(device),
                 max_new_tokens=max_new_tokens,
+                **beam_args,
             )
             for example, row in zip(batch_examples, out.tolist()):
                 predictions[example.id] = decode_generated(row, tokenizer)
@@ -206,12 +212,23 @@ def evaluate_sni(
     max_new_tokens: int = 128,
     device: torch.device | None = None,
     group=None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
 ) -> dict:
     """Generate, gather, score; rank 0 writes out_dir (if given). Every rank must call it and gets
     the same metrics dict (see `rouge.sni_metrics`) plus "eval_seconds"."""
     start = time.time()
     local = generate_predictions(
-        model, eval_set.examples, tokenizer, batch_size, rank, world_size, max_new_tokens, device
+        model,
+        eval_set.examples,
+        tokenizer,
+        batch_size,
+        rank,
+        world_size,
+        max_new_tokens,
+        device,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
     )
     predictions = gather_predictions(local, world_size, group)
     lost = [ex.id for ex in eval_set.examples if ex.id not in predictions]
