@@ -144,7 +144,8 @@ def test_model_benchmark_variant_items_parse():
 def test_gpu_only_benchmarks_say_what_they_need():
     for script, need in (("benchmarks/attention_tiles.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/attention_backends.py", "needs triton and a CUDA GPU"),
-                         ("benchmarks/gemm_shapes.py", "needs a CUDA GPU")):
+                         ("benchmarks/gemm_shapes.py", "needs a CUDA GPU"),
+                         ("benchmarks/fp8_gemm_shapes.py", "needs a CUDA GPU with FP8 tensor cores")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
@@ -174,6 +175,35 @@ def test_gemm_shapes_count_the_model_flops():
     heads, d_kv = config.num_heads, config.d_kv  # attention scores and values, forward x 3
     attention = 3 * 2 * 2 * 128 * heads * d_kv * (12 * 512 * 512 + 12 * 114 * 114 + 12 * 114 * 512)
     assert linear + attention == model_flops_per_step(config, 128, 512, 114)
+
+
+def test_fp8_gemm_operands_give_each_pass_product():
+    """benchmarks/fp8_gemm_shapes.py times `_scaled_mm` on the FP8 operands it builds: for each of a
+    linear layer's three GEMMs they must be in the layouts `_scaled_mm` takes and give the bf16
+    product to FP8's precision (e4m3: 3 mantissa bits, a few % per element), or the timing would be
+    of some other product."""
+    from benchmarks.fp8_gemm_shapes import fp8_passes, scaled_mm
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8")
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in ((96, 48), (32, 48), (96, 32)))
+    passes = fp8_passes(x, w, dy)
+    assert [p.label for p in passes] == ["forward", "input grad", "weight grad"]
+    expected = {"forward": x.float() @ w.float().t(), "input grad": dy.float() @ w.float(),
+                "weight grad": dy.float().t() @ x.float()}  # fmt: skip
+    for gemm in passes:
+        torch.testing.assert_close(gemm.a.float() @ gemm.b.float(), expected[gemm.label])
+        # the operands dequantized are the bf16 ones to FP8's precision, whatever _scaled_mm does
+        dequantized = (gemm.a_fp8.float() * gemm.a_inv_scale) @ (gemm.b_fp8.float() * gemm.b_inv_scale)
+        ref = expected[gemm.label]
+        assert (dequantized - ref).norm() / ref.norm() < 0.06, gemm.label
+        try:
+            got = scaled_mm(gemm)
+        except (RuntimeError, NotImplementedError) as e:  # a CPU build without _scaled_mm
+            pytest.skip(f"torch._scaled_mm does not run here: {e}")
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert (got.float() - ref).norm() / ref.norm() < 0.06, gemm.label
 
 
 def test_sni_generation_benchmark_runs_on_cpu_greedy_and_beam():
