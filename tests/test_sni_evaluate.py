@@ -83,6 +83,7 @@ def test_tiny_model_predicts_every_requested_instance(tmp_path, tokenizer):
     assert all(set(r) == {"id", "task", "prediction", "references"} and r["references"] for r in rows)
     on_disk = json.loads((tmp_path / "metrics.json").read_text())
     assert on_disk == metrics
+    assert metrics["decoding"] == {"max_new_tokens": 8, "num_beams": 1}
     assert (
         metrics["n_instances"] == N_ASSET_INSTANCES and metrics["n_tasks"] == 4 and metrics["n_missing"] == 2
     )
@@ -116,7 +117,10 @@ def test_beam_search_evaluation(tmp_path, tokenizer):
     assert echo.kwargs == {"num_beams": 3, "length_penalty": 0.5}
 
     model = _tiny_model()
-    evaluate_sni(model, eval_set, tokenizer, out_dir=tmp_path, batch_size=3, max_new_tokens=6, num_beams=3)
+    metrics = evaluate_sni(
+        model, eval_set, tokenizer, out_dir=tmp_path, batch_size=3, max_new_tokens=6, num_beams=3
+    )
+    assert metrics["decoding"] == {"max_new_tokens": 6, "num_beams": 3, "length_penalty": 1.0}
     predictions = {r["id"]: r["prediction"] for r in _read_predictions(tmp_path / "predictions.jsonl")}
     beams, greedy = {}, {}
     for example in eval_set.examples:

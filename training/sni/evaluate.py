@@ -216,7 +216,8 @@ def evaluate_sni(
     length_penalty: float = 1.0,
 ) -> dict:
     """Generate, gather, score; rank 0 writes out_dir (if given). Every rank must call it and gets
-    the same metrics dict (see `rouge.sni_metrics`) plus "eval_seconds"."""
+    the same metrics dict (see `rouge.sni_metrics`) plus "eval_seconds" and "decoding" (the
+    generation settings, so that greedy and beam-search results on disk say which they are)."""
     start = time.time()
     local = generate_predictions(
         model,
@@ -238,6 +239,9 @@ def evaluate_sni(
     if rank == 0:
         metrics = sni_metrics(predictions, eval_set.expected)
         metrics["eval_seconds"] = round(time.time() - start, 2)
+        metrics["decoding"] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams}
+        if num_beams > 1:
+            metrics["decoding"]["length_penalty"] = length_penalty
         if out_dir is not None:
             write_outputs(out_dir, eval_set, predictions, metrics)
         logger.info(
