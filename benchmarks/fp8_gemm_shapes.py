@@ -23,7 +23,6 @@ that plus the quantization (`--iters` calls each, median, CUDA events).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import median_cuda_ms  # noqa: E402
-from benchmarks.gemm_shapes import linear_shapes  # noqa: E402
+from benchmarks.gemm_shapes import linear_shapes, step_shape_parser  # noqa: E402
 from training.model import T5Config  # noqa: E402
 from training.model.flops import measure_matmul_tflops  # noqa: E402
 
@@ -100,15 +99,7 @@ def scaled_mm(gemm: Fp8Pass) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--preset", default="base")
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--input-length", type=int, default=512)
-    parser.add_argument("--target-length", type=int, default=114)
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args(argv)
+    args = step_shape_parser(__doc__).parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         raise SystemExit(
             "benchmarks/fp8_gemm_shapes.py needs a CUDA GPU with FP8 tensor cores (sm_89 or newer)"

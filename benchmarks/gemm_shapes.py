@@ -50,14 +50,20 @@ def linear_shapes(config: T5Config, batch: int, inputs: int, targets: int) -> li
     return shapes
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def step_shape_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of the GEMM-shape benchmarks: the model preset, the step's batch and lengths,
+    and the timed calls per shape."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="base")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--target-length", type=int, default=114)
     parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = step_shape_parser(__doc__).parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm_shapes.py needs a CUDA GPU (it times cuBLAS)")
     device = torch.device("cuda")
