@@ -126,9 +126,10 @@ def beam_search_generate(
             # Finished hypotheses: candidates among the best k that end here, length-normalised.
             new_scores = top_scores / position**length_penalty
             new_scores = new_scores.masked_fill(~(ends & first_k & can_improve[:, None]), float("-inf"))
-            keep = torch.cat([finished_scores, new_scores], dim=1).topk(k, dim=1).indices
+            merged_scores = torch.cat([finished_scores, new_scores], dim=1)
+            keep = merged_scores.topk(k, dim=1).indices
             finished = _pick(torch.cat([finished, top_seqs], dim=1), keep)
-            finished_scores = _pick(torch.cat([finished_scores, new_scores], dim=1), keep)
+            finished_scores = _pick(merged_scores, keep)
             if last:
                 break
 
