@@ -258,6 +258,15 @@ def test_generate_with_cache_equals_step_by_step_argmax():
     assert got.shape == (3, 9)
 
 
+def _assert_padded_after_eos(got: torch.Tensor) -> None:
+    """Some rows produced EOS (id 1), and every such row holds only pad (0) after its first EOS."""
+    eos_rows = (got == 1).any(dim=1)
+    assert eos_rows.any()
+    for row in got[eos_rows]:
+        first = int((row == 1).nonzero()[0])
+        assert (row[first + 1 :] == 0).all()
+
+
 def test_generate_stops_at_eos_and_pads_after():
     model = _tiny(seed=2)
     with torch.no_grad():  # make EOS the argmax whenever the hidden state's first feature is positive
@@ -268,11 +277,7 @@ def test_generate_stops_at_eos_and_pads_after():
         expected = _generate_without_cache(model, input_ids, None, 10)
     got = model.generate(input_ids, max_new_tokens=10)
     assert torch.equal(got, expected)
-    eos_rows = (got == 1).any(dim=1)
-    assert eos_rows.any()
-    for row in got[eos_rows]:
-        first = int((row == 1).nonzero()[0])
-        assert (row[first + 1 :] == 0).all()
+    _assert_padded_after_eos(got)
 
 
 def test_beam_search_rows_are_independent_and_padded_after_eos():
@@ -289,11 +294,7 @@ def test_beam_search_rows_are_independent_and_padded_after_eos():
     for i in range(4):
         alone = model.generate(input_ids[i : i + 1], attention_mask=mask[i : i + 1], max_new_tokens=9, num_beams=3)
         assert torch.equal(got[i, : alone.shape[1]], alone[0]) and (got[i, alone.shape[1] :] == 0).all()
-    eos_rows = (got == 1).any(dim=1)
-    assert eos_rows.any()
-    for row in got[eos_rows]:
-        first = int((row == 1).nonzero()[0])
-        assert (row[first + 1 :] == 0).all()
+    _assert_padded_after_eos(got)
 
 
 def test_beam_search_rejects_bad_arguments():

@@ -109,6 +109,12 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
+def _beam_settings(num_beams: int, length_penalty: float) -> dict:
+    """The beam-search arguments of `generate`: none for greedy decoding (num_beams 1), so that a
+    model whose generate lacks them still evaluates greedily."""
+    return {"num_beams": num_beams, "length_penalty": length_penalty} if num_beams > 1 else {}
+
+
 @torch.no_grad()
 def generate_predictions(
     model,
@@ -128,7 +134,7 @@ def generate_predictions(
     `model.generate(input_ids, attention_mask=..., max_new_tokens=...)` must return a LongTensor
     whose rows start with the decoder start token (our T5 and HF's do); with num_beams > 1 it is also
     given `num_beams=` and `length_penalty=` (both models take them)."""
-    beam_args = {"num_beams": num_beams, "length_penalty": length_penalty} if num_beams > 1 else {}
+    beam_args = _beam_settings(num_beams, length_penalty)
     device = device or _model_device(model)
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -239,9 +245,8 @@ def evaluate_sni(
     if rank == 0:
         metrics = sni_metrics(predictions, eval_set.expected)
         metrics["eval_seconds"] = round(time.time() - start, 2)
-        metrics["decoding"] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams}
-        if num_beams > 1:
-            metrics["decoding"]["length_penalty"] = length_penalty
+        metrics["decoding"] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams,
+                               **_beam_settings(num_beams, length_penalty)}  # fmt: skip
         if out_dir is not None:
             write_outputs(out_dir, eval_set, predictions, metrics)
         logger.info(
