@@ -167,6 +167,8 @@ def test_position_bias_is_the_bucketed_table_per_pair(is_decoder, q_len, k_len, 
     model = T5ForConditionalGeneration(config)  # small buckets: the log-spaced ones show at these lengths
     stack = model.decoder if is_decoder else model.encoder
     bias = stack.position_bias(q_len, k_len, q_offset, torch.device("cpu"))
+    # A 0-dim tensor offset (decoding into a fixed-size cache) gives the same bias.
+    assert torch.equal(stack.position_bias(q_len, k_len, torch.tensor(q_offset), torch.device("cpu")), bias)
     q_pos = torch.arange(q_offset, q_offset + q_len)[:, None]
     buckets = relative_position_bucket(torch.arange(k_len)[None, :] - q_pos, bidirectional=not is_decoder,
                                        num_buckets=8, max_distance=6)  # fmt: skip
@@ -265,6 +267,17 @@ def _assert_padded_after_eos(got: torch.Tensor) -> None:
     for row in got[eos_rows]:
         first = int((row == 1).nonzero()[0])
         assert (row[first + 1 :] == 0).all()
+
+
+def test_fixed_size_cache_decodes_one_position_without_a_decoder_mask():
+    model = _tiny()
+    enc = model.encoder(torch.randint(2, 32128, (2, 5)))
+    caches = [{"position": torch.tensor(0), "length": 4} for _ in model.decoder.block]
+    with pytest.raises(ValueError, match="one position per call"):
+        model.decoder(torch.zeros(2, 2, dtype=torch.long), encoder_hidden_states=enc, caches=caches)
+    with pytest.raises(ValueError, match="one position per call"):
+        model.decoder(torch.zeros(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 1),
+                      encoder_hidden_states=enc, caches=caches)  # fmt: skip
 
 
 def test_generate_stops_at_eos_and_pads_after():

@@ -21,6 +21,9 @@ Beam search follows transformers' (5.x) `generate(num_beams=k, do_sample=False)`
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 
@@ -38,34 +41,105 @@ def _decode_step(model, step_input, encoder_out, attention_mask, caches, past_le
 
 @torch.no_grad()
 def greedy_generate(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 128
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 128,
+    cuda_graph: bool = True,
 ) -> torch.Tensor:
-    """(batch, <= 1 + max_new_tokens) LongTensor of greedy tokens; see the module docstring."""
+    """(batch, <= 1 + max_new_tokens) LongTensor of greedy tokens; see the module docstring.
+
+    The decoder's self-attention cache has a fixed size (max_new_tokens slots, the position a device
+    tensor), so every decoding step runs the same kernels on the same buffers. On CUDA with
+    `cuda_graph` the first step runs eagerly (it builds the caches and compiles what needs compiling)
+    and the rest replay it as one CUDA graph: a step then costs the GPU time of its kernels instead
+    of the host's time to launch them one by one (docs/finetune_sni.md has the figures)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     config = model.config
+    device = input_ids.device
     was_training = model.training
     model.eval()
     try:
         encoder_out = model.encoder(input_ids, attention_mask)
         batch = input_ids.shape[0]
-        # One dict per decoder block: self-attention k/v grow by one position per step; cross k/v fixed.
-        caches: list[dict] = [{} for _ in model.decoder.block]
-        out = torch.full((batch, 1), config.decoder_start_token_id, dtype=torch.long, device=input_ids.device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-        step_input = out
-        for step in range(max_new_tokens):
-            logits = _decode_step(model, step_input, encoder_out, attention_mask, caches, step)
-            next_token = logits.argmax(dim=-1)
-            next_token = torch.where(finished, torch.full_like(next_token, config.pad_token_id), next_token)
-            out = torch.cat([out, next_token[:, None]], dim=1)
-            finished |= next_token == config.eos_token_id
+        position = torch.zeros((), dtype=torch.long, device=device)  # the position being decoded
+        # One dict per decoder block; the self-attention k/v buffers and the cross-attention k/v are
+        # made by the first step.
+        caches = [{"position": position, "length": max_new_tokens} for _ in model.decoder.block]
+        out = torch.full((batch, 1 + max_new_tokens), config.pad_token_id, dtype=torch.long, device=device)
+        out[:, 0] = config.decoder_start_token_id
+        token = out[:, :1].clone()  # this step's input
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+        def step() -> None:  # device work only (no host sync), so that it can be captured
+            logits = _decode_step(model, token, encoder_out, attention_mask, caches, position)
+            next_token = torch.where(finished, config.pad_token_id, logits.argmax(dim=-1))
+            out.index_copy_(1, position.view(1) + 1, next_token[:, None])
+            finished.logical_or_(next_token == config.eos_token_id)
+            token.copy_(next_token[:, None])
+            position.add_(1)
+
+        run = step
+        graph = cuda_graph and device.type == "cuda" and max_new_tokens > 1
+        if graph:  # the first step eagerly, on the stream the capture will use
+            stream = _capture_stream(device)
+            run = functools.partial(_run_on, stream, step)
+        steps = 0
+        for steps in range(1, max_new_tokens + 1):
+            run()
             if bool(finished.all()):
                 break
-            step_input = next_token[:, None]
-        return out
+            if steps == 1 and graph:
+                run = _captured(step, stream)
+        return out[:, : 1 + steps]
     finally:
         model.train(was_training)
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that decoding warms up and captures on, one per device (one, so that the
+    blocks the caching allocator holds for it are reused by the next batch's caches)."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
+def _run_on(stream: torch.cuda.Stream, fn) -> None:
+    """fn on `stream`, ordered after the current stream's work and before its next. Warm-up belongs on
+    the capture stream: what is made lazily per stream (cuBLAS workspaces) then exists before the
+    capture."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def _captured(fn, stream: torch.cuda.Stream):
+    """fn (which must have run once on `stream`) captured as a CUDA graph; returns the graph's replay,
+    which runs on the current stream. What fn allocates lives in the graph's pool, freed with it.
+
+    If the capture fails (an op that syncs with the host or cannot be captured, e.g. in an attention
+    backend other than the tested `triton`, `sdpa` and `math`), returns fn itself with a warning:
+    capturing runs no kernel, so nothing was decoded twice or skipped."""
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    except RuntimeError as e:
+        warnings.warn(
+            f"greedy decoding could not be captured as a CUDA graph ({type(e).__name__}: {str(e)[:200]}); "
+            "it goes on with eager steps. Pass cuda_graph=False to generate() to skip the attempt.",
+            stacklevel=3,
+        )
+        return fn
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph.replay
 
 
 def _pick(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

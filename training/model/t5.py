@@ -105,13 +105,16 @@ class T5Attention(nn.Module):
         b, sq, _ = x.shape
         heads = (self.n_heads, self.d_kv)
         dropout_p = self.dropout_rate if self.training else 0.0
-        cached_kv = cache is not None and kv_input is not None and f"{cache_prefix}_k" in cache
         if kv_input is None:  # self-attention: one GEMM for q, k and v
             q_src, kv_src = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight])), None
         else:  # cross-attention: one GEMM for the encoder output's k and v (once when decoding)
-            kv_src = None if cached_kv else F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
             q_src = self.q(x)
-        if cache is None:  # training / scoring: attention reads the fused projection outputs as they are
+            kv_src = None if cache is None else cache.get(f"{cache_prefix}_kv")
+            if kv_src is None:
+                kv_src = F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
+                if cache is not None:
+                    cache[f"{cache_prefix}_kv"] = kv_src  # packed [k | v], as the fused kernel reads it
+        if cache is None or kv_input is not None:  # attention reads the fused projection outputs as they are
             # The stack's bias is T5's relative one (queries from position 0 here): constant per head
             # from this distance on, which the fused kernel can use.
             far = self.bias_far[causal] if bias is not None else 0
@@ -119,22 +122,32 @@ class T5Attention(nn.Module):
                 q_src, kv_src, self.n_heads, bias, key_mask, causal, self.backend, dropout_p, far
             )
             return self.o(out)
-        # Incremental decoding: keys/values are appended to (self) or read from (cross) the cache.
-        if kv_input is None:
-            q, k, v = (t.view(b, sq, *heads) for t in q_src.chunk(3, dim=-1))
-            if f"{cache_prefix}_k" in cache:
-                k = torch.cat([cache[f"{cache_prefix}_k"], k], dim=1)
-                v = torch.cat([cache[f"{cache_prefix}_v"], v], dim=1)
-            cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
-        else:
-            q = q_src.view(b, sq, *heads)
-            if cached_kv:
-                k, v = cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"]
-            else:
-                k, v = (t.view(b, kv_input.shape[1], *heads) for t in kv_src.chunk(2, dim=-1))
-                cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
+        # Decoding's self-attention: keys/values are appended to the cache.
+        q, k, v = (t.view(b, sq, *heads) for t in q_src.chunk(3, dim=-1))
+        if "position" in cache:  # fixed-size cache (static shapes, for CUDA graphs): fill one slot
+            k, v = _write_cache_slot(cache, cache_prefix, k, v)
+        elif f"{cache_prefix}_k" in cache:
+            k = torch.cat([cache[f"{cache_prefix}_k"], k], dim=1)
+            v = torch.cat([cache[f"{cache_prefix}_v"], v], dim=1)
+        cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
         out = attention(q, k, v, bias, key_mask, causal, self.backend, dropout_p)
         return self.o(out.reshape(b, sq, self.n_heads * self.d_kv))
+
+
+def _write_cache_slot(
+    cache: dict, prefix: str, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one position's k/v (b, 1, heads, d_kv) into a fixed-size cache at slot cache["position"]
+    (a 0-dim device tensor) and return the whole (b, cache["length"], heads, d_kv) buffers; slots
+    after the position hold zeros or stale values, which the stack's key mask hides. The buffers are
+    allocated at the first call, in the dtype the projection produced."""
+    if f"{prefix}_k" not in cache:
+        shape = (k.shape[0], cache["length"], *k.shape[2:])
+        cache[f"{prefix}_k"], cache[f"{prefix}_v"] = k.new_zeros(shape), v.new_zeros(shape)
+    slot = cache["position"].view(1)
+    cache[f"{prefix}_k"].index_copy_(1, slot, k)
+    cache[f"{prefix}_v"].index_copy_(1, slot, v)
+    return cache[f"{prefix}_k"], cache[f"{prefix}_v"]
 
 
 class T5DenseGatedActDense(nn.Module):
@@ -252,10 +265,13 @@ class T5Stack(nn.Module):
         """The stack's (num_buckets, heads) relative bias table; it lives in block 0 (HF layout)."""
         return self.block[0].layer[0].SelfAttention.relative_attention_bias
 
-    def position_bias(self, q_len: int, k_len: int, q_offset: int, device: torch.device) -> torch.Tensor:
+    def position_bias(
+        self, q_len: int, k_len: int, q_offset: int | torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
         """(heads, q_len, k_len) fp32 learned bias, shared by every block of the stack. Looked up once
         per key - query offset (a (heads, q_len + k_len - 1) row) and expanded by `dense_bias`.
-        Queries sit at positions q_offset .. q_offset + q_len - 1, keys at 0 .. k_len - 1."""
+        Queries sit at positions q_offset .. q_offset + q_len - 1 (an int, or a 0-dim device tensor
+        when decoding into a fixed-size cache), keys at 0 .. k_len - 1."""
         rel = torch.arange(-(q_len - 1), k_len, device=device) - q_offset  # key position - query position
         buckets = relative_position_bucket(
             rel,
@@ -274,13 +290,27 @@ class T5Stack(nn.Module):
         caches: list[dict] | None = None,
         past_length: int = 0,
     ) -> torch.Tensor:
+        """Hidden states (batch, q_len, d_model) after the final norm. Decoding passes one dict per
+        block in `caches`: growing ones with `past_length` the positions already cached, or fixed-size
+        ones (keys "position" and "length", see `_write_cache_slot`), which carry the position."""
         h = self.dropout(self.embed_tokens(input_ids))
         device_type = input_ids.device.type
         if self.config.residual_dtype == "autocast" and torch.is_autocast_enabled(device_type):
             h = h.to(torch.get_autocast_dtype(device_type))  # the residual adds then stay in it
         q_len = input_ids.shape[1]
-        bias = self.position_bias(q_len, past_length + q_len, past_length, input_ids.device)
         key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        if caches is not None and "position" in caches[0]:
+            # Fixed-size cache (`generation.greedy_generate`): one query at position caches[0]["position"]
+            # (a device tensor, so every step has the same shapes), keys in all cache["length"] slots,
+            # those not yet written masked.
+            if q_len != 1 or key_mask is not None:
+                raise ValueError("a fixed-size cache decodes one position per call, without a decoder mask")
+            past_length, k_len = caches[0]["position"], caches[0]["length"]
+            slots = torch.arange(k_len, device=input_ids.device)
+            key_mask = (slots <= past_length).expand(input_ids.shape[0], k_len)
+        else:
+            k_len = past_length + q_len
+        bias = self.position_bias(q_len, k_len, past_length, input_ids.device)
         enc_mask = None if encoder_attention_mask is None else encoder_attention_mask.to(torch.bool)
         for i, block in enumerate(self.block):
             h = block(
@@ -414,13 +444,15 @@ class T5ForConditionalGeneration(nn.Module):
         max_new_tokens: int = 128,
         num_beams: int = 1,
         length_penalty: float = 1.0,
+        cuda_graph: bool = True,
     ) -> torch.Tensor:
         """Greedy decoding (num_beams=1) or beam search with a key/value cache, as transformers'
-        `generate(num_beams=..., length_penalty=...)` decodes (see `training.model.generation`)."""
+        `generate(num_beams=..., length_penalty=...)` decodes (see `training.model.generation`).
+        cuda_graph: on CUDA, greedy decoding replays its step as a CUDA graph (False: every step eager)."""
         from training.model.generation import beam_search_generate, greedy_generate
 
         if num_beams == 1:
-            return greedy_generate(self, input_ids, attention_mask, max_new_tokens)
+            return greedy_generate(self, input_ids, attention_mask, max_new_tokens, cuda_graph)
         return beam_search_generate(
             self, input_ids, attention_mask, max_new_tokens, num_beams, length_penalty
         )

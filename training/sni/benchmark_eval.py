@@ -2,6 +2,7 @@
 
     python -m training.sni.benchmark_eval --data /work/shared/data/sni --preset base \
         --instances 1024 --batch-sizes 32 64 128 [--checkpoint HF_DIR] [--dtype bf16] [--num-beams 4]
+        [--no-cuda-graph]
 
 Without --checkpoint the model is randomly initialised: it never emits EOS, so every batch runs the
 full 128 decoding steps (an upper bound; a fine-tuned model answers in ~9 tokens on average and a
@@ -11,6 +12,7 @@ batch stops when all its rows have). Prints one JSON line per batch size with in
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import time
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-beams", type=int, default=1, help="1 = greedy; k > 1 = beam search")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="greedy decoding replays its step as a CUDA graph (--no-cuda-graph: eager steps)")  # fmt: skip
     args = p.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
             .to(device=device, dtype=dtype)
             .eval()
         )
+    if not args.cuda_graph:  # generate_predictions passes HF's arguments only
+        model.generate = functools.partial(model.generate, cuda_graph=False)
     # Warm-up: one untimed pass over the same instances, so that the kernels every prompt length
     # needs (the encoder's attention compiles per tile-alignment case) are built before timing.
     generate_predictions(
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             "batch_size": batch_size,
             "max_new_tokens": args.max_new_tokens,
             "num_beams": args.num_beams,
+            "cuda_graph": args.cuda_graph,
             "seconds": round(seconds, 2),
             "instances_per_s": round(len(examples) / seconds, 1),
             "full_test_set_minutes": round(len(eval_set.examples) / (len(examples) / seconds) / 60, 2),
