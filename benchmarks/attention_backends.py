@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_timing import kernel_ms  # noqa: E402
 from training.model import triton_attention as ta  # noqa: E402
 from training.model.attention import (  # noqa: E402
     bias_saturation_distance,
@@ -154,22 +155,6 @@ def run_sdpa(case: Case, backend: str):
     dbias = named.get(id(bias))
     outputs = (out.detach(), named[id(q_src)], named.get(id(kv_src)), None if dbias is None else dbias[0])
     return fwd, fwd_bwd, outputs
-
-
-def kernel_ms(fn, iters: int) -> float:
-    """GPU time of one call in ms: the device time of every kernel (and copy) that `iters` calls ran,
-    from torch's profiler, divided by iters. Idle gaps while the host launches do not count: at these
-    sizes a lone call is launch-bound, while in a training step the host runs ahead of the GPU."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3
 
 
 def rel_err(x, ref) -> str:

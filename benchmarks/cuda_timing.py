@@ -1,4 +1,5 @@
-"""Timing of one GPU call for the benchmark scripts: the median of per-call CUDA-event times."""
+"""Timing of one GPU call for the benchmark scripts: the median of per-call CUDA-event times, or the
+profiler's device time of the kernels a call runs."""
 
 from __future__ import annotations
 
@@ -21,3 +22,19 @@ def median_cuda_ms(fn, iters: int, warmup: int = 2) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def kernel_ms(fn, iters: int) -> float:
+    """GPU time of one call in ms: the device time of every kernel (and copy) that `iters` calls ran,
+    from torch's profiler, divided by iters. Idle gaps while the host launches do not count: at these
+    sizes a lone call is launch-bound, while in a training step the host runs ahead of the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / iters / 1e3

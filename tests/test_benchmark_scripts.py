@@ -145,7 +145,9 @@ def test_gpu_only_benchmarks_say_what_they_need():
     for script, need in (("benchmarks/attention_tiles.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/attention_backends.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/gemm_shapes.py", "needs a CUDA GPU"),
-                         ("benchmarks/fp8_gemm_shapes.py", "needs a CUDA GPU with FP8 tensor cores")):
+                         ("benchmarks/fp8_gemm_shapes.py", "needs a CUDA GPU with FP8 tensor cores"),
+                         ("benchmarks/rms_norm.py", "needs a CUDA GPU"),
+                         ("benchmarks/decode_steps.py", "needs a CUDA GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
@@ -175,6 +177,34 @@ def test_gemm_shapes_count_the_model_flops():
     heads, d_kv = config.num_heads, config.d_kv  # attention scores and values, forward x 3
     attention = 3 * 2 * 2 * 128 * heads * d_kv * (12 * 512 * 512 + 12 * 114 * 114 + 12 * 114 * 512)
     assert linear + attention == model_flops_per_step(config, 128, 512, 114)
+
+
+def test_rms_norm_benchmark_counts_the_step_norms_and_their_gradients():
+    """benchmarks/rms_norm.py scales one add + norm to a step by `step_rows`: its counts must be the
+    model's RMS norms; its calls must hand back the pair's outputs and the gradients of h, o and w."""
+    from benchmarks.rms_norm import Case, add_norm, min_bytes, step_rows
+    from training.model import T5Config, T5ForConditionalGeneration
+    from training.model.t5 import T5LayerNorm
+
+    config = T5Config.from_preset("tiny", num_layers=3, num_decoder_layers=3)
+    norms = sum(isinstance(m, T5LayerNorm) for m in T5ForConditionalGeneration(config).modules())
+    assert sum(n for _, n in step_rows(2, 16, 8, 3)) == norms
+    assert [rows for rows, _ in step_rows(2, 16, 8, 3)] == [32, 16]
+    assert min_bytes(10, 8, torch.float32) == (80 * 12, 80 * 16)  # fp32 residual: 4+2+4+2, 2+4+4+4+2
+    assert min_bytes(10, 8, torch.bfloat16) == (80 * 8, 80 * 10)
+
+    case = Case(6, 8, torch.float32, "cpu")
+    _, _, (y, s, dh, do, dw) = case.calls(add_norm)
+    s64 = case.h.double() + case.o.double()
+    rstd = s64.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+    xhat = s64 * rstd
+    torch.testing.assert_close(s, s64.float())
+    torch.testing.assert_close(y.double(), (xhat * case.w.double()).bfloat16().double())
+    g = case.dy.double() * case.w.double()  # d(norm input) = rstd * (g - xhat * mean(g * xhat))
+    ds = case.ds.double() + rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    torch.testing.assert_close(dh.double(), ds, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(do.double(), ds.bfloat16().double())
+    torch.testing.assert_close(dw.double(), (case.dy.double() * xhat).sum(0), rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_gemm_operands_give_each_pass_product():
@@ -207,13 +237,15 @@ def test_fp8_gemm_operands_give_each_pass_product():
 
 
 def test_sni_generation_benchmark_runs_on_cpu_greedy_and_beam():
-    """`training.sni.benchmark_eval` prints one JSON row per batch size, for greedy and beam search."""
-    for beams in (1, 2):
+    """`training.sni.benchmark_eval` prints one JSON row per batch size, for greedy and beam search,
+    and greedy with eager steps (the flag reaches `generate`, which refuses nothing on CPU)."""
+    for beams, graph in ((1, "--cuda-graph"), (2, "--cuda-graph"), (1, "--no-cuda-graph")):
         r = subprocess.run([sys.executable, "-m", "training.sni.benchmark_eval", "--data", "tests/assets/sni",
                             "--preset", "tiny", "--instances", "6", "--batch-sizes", "3", "6", "--max-new-tokens",
-                            "3", "--dtype", "fp32", "--num-beams", str(beams)],
+                            "3", "--dtype", "fp32", "--num-beams", str(beams), graph],
                            cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
         assert r.returncode == 0, r.stderr[-800:]
         rows = [json.loads(line) for line in r.stdout.splitlines()]
         assert [row["batch_size"] for row in rows] == [3, 6]
         assert all(row["num_beams"] == beams and row["instances"] == 6 and row["seconds"] > 0 for row in rows)
+        assert all(row["cuda_graph"] == (graph == "--cuda-graph") for row in rows)
