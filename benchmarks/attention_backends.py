@@ -39,6 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import kernel_ms  # noqa: E402
+from benchmarks.options import comma_choices  # noqa: E402
 from training.model import triton_attention as ta  # noqa: E402
 from training.model.attention import (  # noqa: E402
     bias_saturation_distance,
@@ -176,14 +177,8 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="triton and cudnn through torch.compile, as the training step runs them")  # fmt: skip
     args = parser.parse_args()
-    shapes = [s.strip() for s in args.shapes.split(",")]
-    backends = [b.strip() for b in args.backends.split(",")]
-    for name in shapes:
-        if name not in SHAPES:
-            raise SystemExit(f"--shapes: unknown shape {name!r}; choose among {', '.join(SHAPES)}")
-    for name in backends:
-        if name not in BACKENDS:
-            raise SystemExit(f"--backends: unknown backend {name!r}; choose among {', '.join(BACKENDS)}")
+    shapes = comma_choices(args.shapes, list(SHAPES), "--shapes", "shape")
+    backends = comma_choices(args.backends, BACKENDS, "--backends", "backend")
     if not ta.available():
         raise SystemExit("benchmarks/attention_backends.py needs triton and a CUDA GPU")
     cudnn_version = torch.backends.cudnn.version()

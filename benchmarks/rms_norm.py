@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import kernel_ms  # noqa: E402
+from benchmarks.options import comma_choices  # noqa: E402
 from training.model.t5 import rms_norm  # noqa: E402
 
 IMPLS = ("torch", "inductor", "liger")
@@ -133,14 +134,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--step", default="128,512,114,12", help="batch,inputs,targets,layers of the step estimate")
     args = parser.parse_args()
-    impls = [i.strip() for i in args.impls.split(",")]
-    residuals = [r.strip() for r in args.residuals.split(",")]
-    for name in impls:
-        if name not in IMPLS:
-            raise SystemExit(f"--impls: unknown implementation {name!r}; choose among {', '.join(IMPLS)}")
-    for name in residuals:
-        if name not in RESIDUALS:
-            raise SystemExit(f"--residuals: unknown dtype {name!r}; choose among {', '.join(RESIDUALS)}")
+    impls = comma_choices(args.impls, IMPLS, "--impls", "implementation")
+    residuals = comma_choices(args.residuals, list(RESIDUALS), "--residuals", "dtype")
     batch, inputs, targets, layers = (int(v) for v in args.step.split(","))
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/rms_norm.py needs a CUDA GPU")

@@ -179,6 +179,14 @@ def test_gemm_shapes_count_the_model_flops():
     assert linear + attention == model_flops_per_step(config, 128, 512, 114)
 
 
+def test_benchmark_comma_lists_are_checked_against_their_choices():
+    from benchmarks.options import comma_choices
+
+    assert comma_choices("enc, cross", ["enc", "dec", "cross"], "--shapes", "shape") == ["enc", "cross"]
+    with pytest.raises(SystemExit, match="--shapes: unknown shape 'x'; choose among enc, dec"):
+        comma_choices("enc,x", ["enc", "dec"], "--shapes", "shape")
+
+
 def test_rms_norm_benchmark_counts_the_step_norms_and_their_gradients():
     """benchmarks/rms_norm.py scales one add + norm to a step by `step_rows`: its counts must be the
     model's RMS norms; its calls must hand back the pair's outputs and the gradients of h, o and w."""
