@@ -23,7 +23,8 @@ count), the bandwidth that time implies for the bytes the pair must move at leas
 and o, write s and y; backward: read the two gradients and s, write the gradients of h and o), that
 bandwidth as a share of a device-to-device copy measured in the same run, and each output's relative
 error against `torch`. Then what the norms of one T5 step would take at each implementation's speed
-(encoder: two per layer at batch x input rows; decoder: three per layer at batch x target rows).
+(encoder: two per layer at batch x input rows, decoder: three per layer at batch x target rows, and
+each stack's final norm).
 
     python benchmarks/rms_norm.py                           # T5 base shapes, batch 128, 512 -> 114
     python benchmarks/rms_norm.py --rows 14592 --impls torch,inductor
