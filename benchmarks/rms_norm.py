@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.attention_backends import rel_err  # noqa: E402
 from benchmarks.cuda_timing import kernel_ms  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
 from training.model.t5 import rms_norm  # noqa: E402
@@ -108,10 +109,6 @@ def implementation(name: str):
     return liger_add_norm
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return (x.float() - ref.float()).norm().item() / max(ref.float().norm().item(), 1e-30)
-
-
 def copy_gbps(iters: int) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second / 1e9) of a 1 GiB buffer."""
     src = torch.empty(2**28, device="cuda")
@@ -160,7 +157,7 @@ def main() -> None:
             gbps = (fwd_bytes + bwd_bytes) / total_ms / 1e6
             # A step's pairs at this implementation's bandwidth (time scales with the rows).
             step = sum(total_ms * rows / args.rows * n for rows, n in step_rows(batch, inputs, targets, layers))
-            errs = " | ".join(f"{rel_err(x, r):.1e}" for x, r in zip(outputs, ref))
+            errs = " | ".join(rel_err(x, r) for x, r in zip(outputs, ref))
             print(f"| {rname} | {name} | {f_ms:.3f} | {total_ms:.3f} | {gbps:.0f} | {gbps / ceiling:.0%} | "
                   f"{step:.1f} | {errs} |", flush=True)  # fmt: skip
         del case
