@@ -1,6 +1,7 @@
-"""Where a greedy decoding step's time goes: milliseconds per step, graphed or eager, and the kernels.
+"""Where a decoding step's time goes: milliseconds per step, graphed or eager, and the kernels.
 
-A randomly initialised model never emits EOS, so every call decodes all `--max-new-tokens` steps.
+A randomly initialised model never emits EOS, so every call decodes all `--max-new-tokens` steps
+(greedy, or with `--num-beams K` beam search over batch x K rows).
 For each (batch, prompt length): the wall time per step of one `generate` call replayed as a CUDA
 graph (the default) and, with `--eager`, with eager steps; then the profiler's device time of that
 graphed call per step, in all and for its `--top` kernels (the encoder and the first, eager step
@@ -8,6 +9,7 @@ included, as in evaluation).
 
     python benchmarks/decode_steps.py                                  # base, bf16, 128 x 512 and 32 x 512
     python benchmarks/decode_steps.py --shapes 128x1024 --eager --top 20
+    python benchmarks/decode_steps.py --shapes 32x512 --num-beams 4 --eager
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ def main() -> None:
     parser.add_argument("--preset", default="base")
     parser.add_argument("--shapes", default="128x512,32x512", help="comma list of BATCHxPROMPT_LENGTH")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-beams", type=int, default=1, help="1 = greedy; k > 1 = beam search")
     parser.add_argument("--eager", action="store_true", help="also time eager steps (cuda_graph=False)")
     parser.add_argument("--top", type=int, default=12, help="kernels listed per shape")
     args = parser.parse_args()
     shapes = parse_shapes(args.shapes)
+    if args.num_beams < 1:
+        raise SystemExit(f"--num-beams must be >= 1 (1 = greedy), got {args.num_beams}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/decode_steps.py needs a CUDA GPU")
     from torch.profiler import ProfilerActivity, profile
@@ -53,20 +58,21 @@ def main() -> None:
     model = T5ForConditionalGeneration(config).cuda().to(torch.bfloat16).eval()
     steps = args.max_new_tokens
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | {args.preset}, bf16 weights, "
-          f"{steps} steps per call")  # fmt: skip
+          f"{steps} steps per call, {args.num_beams} beam(s)")  # fmt: skip
     for batch, length in shapes:
         ids = torch.randint(2, config.vocab_size, (batch, length), device="cuda")
         mask = torch.ones_like(ids)
+        kwargs = dict(attention_mask=mask, max_new_tokens=steps, num_beams=args.num_beams)
         for graph in (True, False) if args.eager else (True,):
-            model.generate(ids, attention_mask=mask, max_new_tokens=steps, cuda_graph=graph)  # compiles kernels
+            model.generate(ids, cuda_graph=graph, **kwargs)  # compiles kernels
             torch.cuda.synchronize()
             start = time.perf_counter()
-            model.generate(ids, attention_mask=mask, max_new_tokens=steps, cuda_graph=graph)
+            model.generate(ids, cuda_graph=graph, **kwargs)
             torch.cuda.synchronize()
             ms = (time.perf_counter() - start) / steps * 1e3
             print(f"batch {batch} x prompt {length}, {'CUDA graph' if graph else 'eager steps'}: {ms:.2f} ms/step")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model.generate(ids, attention_mask=mask, max_new_tokens=steps)
+            model.generate(ids, **kwargs)
             torch.cuda.synchronize()
         kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
         total = sum(e.self_device_time_total for e in kernels) / steps / 1e3

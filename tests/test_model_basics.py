@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model.attention import (
@@ -278,6 +279,49 @@ def test_fixed_size_cache_decodes_one_position_without_a_decoder_mask():
     with pytest.raises(ValueError, match="one position per call"):
         model.decoder(torch.zeros(2, 1, dtype=torch.long), attention_mask=torch.ones(2, 1),
                       encoder_hidden_states=enc, caches=caches)  # fmt: skip
+    with pytest.raises(ValueError, match="caches must be fixed-size"):  # e.g. a growing cache's empty dicts
+        model.decoder(torch.zeros(2, 1, dtype=torch.long), encoder_hidden_states=enc,
+                      caches=[{} for _ in model.decoder.block])  # fmt: skip
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on aten._local_scalar_dense, the op that every read of a tensor's value on the host goes
+    through (`.item()`, `bool(t)`, `int(t)`, and `x[t]` with a 0-dim integer tensor t)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a decoding step read a tensor's value on the host")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_decoding_steps_never_read_the_device_on_the_host(monkeypatch, num_beams):
+    """A CUDA graph cannot hold a host read, so the step that greedy decoding and beam search capture
+    must make none (a 0-dim tensor used as an index once broke beam search's capture). Checked on
+    CPU, where the step runs the same ops: every step runs under `_NoHostReads`."""
+    from training.model import generation
+
+    model = _tiny(seed=3)
+    input_ids = torch.randint(2, 32128, (3, 9))
+    mask = torch.ones_like(input_ids)
+    mask[0, -3:] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, num_beams=num_beams)
+    expected = model.generate(input_ids, **kwargs)
+    real, steps = generation._run_steps, []
+
+    def guarded_run_steps(step, done, *args):
+        def guarded_step():
+            with _NoHostReads():
+                step()
+            steps.append(1)
+
+        return real(guarded_step, done, *args)
+
+    monkeypatch.setattr(generation, "_run_steps", guarded_run_steps)
+    assert torch.equal(model.generate(input_ids, **kwargs), expected)
+    assert len(steps) == expected.shape[1] - 1 >= 2
+    with pytest.raises(AssertionError, match="read a tensor's value on the host"), _NoHostReads():
+        torch.arange(5.0)[torch.tensor(2)]  # the guard sees such a read
 
 
 def test_generate_stops_at_eos_and_pads_after():

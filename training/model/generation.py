@@ -27,14 +27,11 @@ import warnings
 import torch
 
 
-def _decode_step(model, step_input, encoder_out, attention_mask, caches, past_length) -> torch.Tensor:
-    """(rows, vocab) logits of the next token after `step_input` (rows, 1), the cache extended."""
+def _decode_step(model, step_input, encoder_out, attention_mask, caches) -> torch.Tensor:
+    """(rows, vocab) logits of the next token after `step_input` (rows, 1), written into the caches
+    at their position."""
     hidden = model.decoder(
-        step_input,
-        encoder_hidden_states=encoder_out,
-        encoder_attention_mask=attention_mask,
-        caches=caches,
-        past_length=past_length,
+        step_input, encoder_hidden_states=encoder_out, encoder_attention_mask=attention_mask, caches=caches
     )
     return model.lm_head(model.head_input(hidden[:, -1]))
 
@@ -64,37 +61,50 @@ def greedy_generate(
         encoder_out = model.encoder(input_ids, attention_mask)
         batch = input_ids.shape[0]
         position = torch.zeros((), dtype=torch.long, device=device)  # the position being decoded
-        # One dict per decoder block; the self-attention k/v buffers and the cross-attention k/v are
-        # made by the first step.
-        caches = [{"position": position, "length": max_new_tokens} for _ in model.decoder.block]
+        caches = _fixed_caches(model, position, max_new_tokens)
         out = torch.full((batch, 1 + max_new_tokens), config.pad_token_id, dtype=torch.long, device=device)
         out[:, 0] = config.decoder_start_token_id
         token = out[:, :1].clone()  # this step's input
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
         def step() -> None:  # device work only (no host sync), so that it can be captured
-            logits = _decode_step(model, token, encoder_out, attention_mask, caches, position)
+            logits = _decode_step(model, token, encoder_out, attention_mask, caches)
             next_token = torch.where(finished, config.pad_token_id, logits.argmax(dim=-1))
             out.index_copy_(1, position.view(1) + 1, next_token[:, None])
             finished.logical_or_(next_token == config.eos_token_id)
             token.copy_(next_token[:, None])
             position.add_(1)
 
-        run = step
-        graph = cuda_graph and device.type == "cuda" and max_new_tokens > 1
-        if graph:  # the first step eagerly, on the stream the capture will use
-            stream = _capture_stream(device)
-            run = functools.partial(_run_on, stream, step)
-        steps = 0
-        for steps in range(1, max_new_tokens + 1):
-            run()
-            if bool(finished.all()):
-                break
-            if steps == 1 and graph:
-                run = _captured(step, stream)
+        steps = _run_steps(step, lambda: bool(finished.all()), device, max_new_tokens, cuda_graph)
         return out[:, : 1 + steps]
     finally:
         model.train(was_training)
+
+
+def _fixed_caches(model, position: torch.Tensor, length: int) -> list[dict]:
+    """One fixed-size cache dict per decoder block (`t5._write_cache_slot`): `length` self-attention
+    slots, written at `position`; the first step makes the buffers and the cross-attention k/v."""
+    return [{"position": position, "length": length} for _ in model.decoder.block]
+
+
+def _run_steps(step, done, device: torch.device, max_new_tokens: int, cuda_graph: bool) -> int:
+    """Runs step() until done() (a host sync, after each step) or max_new_tokens times; returns the
+    number of steps run. step must do device work only, on state it updates in place. On CUDA with
+    cuda_graph the first step runs eagerly (it makes the caches and compiles what needs compiling)
+    and the rest replay it as one CUDA graph."""
+    run = step
+    graph = cuda_graph and device.type == "cuda" and max_new_tokens > 1
+    if graph:  # the first step eagerly, on the stream the capture will use
+        stream = _capture_stream(device)
+        run = functools.partial(_run_on, stream, step)
+    steps = 0
+    for steps in range(1, max_new_tokens + 1):
+        run()
+        if done():
+            break
+        if steps == 1 and graph:
+            run = _captured(step, stream)
+    return steps
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -127,13 +137,18 @@ def _captured(fn, stream: torch.cuda.Stream):
     backend other than the tested `triton`, `sdpa` and `math`), returns fn itself with a warning:
     capturing runs no kernel, so nothing was decoded twice or skipped."""
     graph = torch.cuda.CUDAGraph()
+    rng = torch.cuda.default_generators[stream.device.index]
+    rng_state = rng.clone_state()
     stream.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.graph(graph, stream=stream):
             fn()
     except RuntimeError as e:
+        # A failed capture leaves the device's default generator in capture mode, and the next random
+        # op would raise: give it back its state from before the capture.
+        rng.graphsafe_set_state(rng_state)
         warnings.warn(
-            f"greedy decoding could not be captured as a CUDA graph ({type(e).__name__}: {str(e)[:200]}); "
+            f"decoding could not be captured as a CUDA graph ({type(e).__name__}: {str(e)[:200]}); "
             "it goes on with eager steps. Pass cuda_graph=False to generate() to skip the attempt.",
             stacklevel=3,
         )
@@ -157,8 +172,15 @@ def beam_search_generate(
     max_new_tokens: int = 128,
     num_beams: int = 4,
     length_penalty: float = 1.0,
+    cuda_graph: bool = True,
 ) -> torch.Tensor:
-    """(batch, <= 1 + max_new_tokens) LongTensor: each row's best beam; see the module docstring."""
+    """(batch, <= 1 + max_new_tokens) LongTensor: each row's best beam; see the module docstring.
+
+    Decodes as `greedy_generate` does: a fixed-size self-attention cache and, on CUDA with
+    `cuda_graph`, every step after the first replayed as one CUDA graph. A step's bookkeeping (the
+    top-k, the finished hypotheses, the reordering of the caches to follow their beams) is device
+    work on buffers updated in place, so it is in the graph too; the host only reads, after each
+    step, whether any row can still improve."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if num_beams < 1:
@@ -172,7 +194,8 @@ def beam_search_generate(
         # within a row, and the cross-attention k/v computed at the first step never need reordering.
         encoder_out = model.encoder(input_ids, attention_mask).repeat_interleave(k, dim=0)
         mask = None if attention_mask is None else attention_mask.repeat_interleave(k, dim=0)
-        caches: list[dict] = [{} for _ in model.decoder.block]
+        position = torch.zeros((), dtype=torch.long, device=device)  # tokens generated before this step
+        caches = _fixed_caches(model, position, max_new_tokens)
         width = 1 + max_new_tokens
         running = torch.full((batch, k, width), config.pad_token_id, dtype=torch.long, device=device)
         running[:, :, 0] = config.decoder_start_token_id
@@ -185,43 +208,48 @@ def beam_search_generate(
         can_improve = torch.ones(batch, dtype=torch.bool, device=device)
         first_k = torch.arange(2 * k, device=device) < k
         row_offset = torch.arange(batch, device=device)[:, None] * k
-        step_input = running[:, :, 0].reshape(batch * k, 1)
-        for step in range(max_new_tokens):
-            position, last = step + 1, step + 1 == max_new_tokens  # `position` tokens generated after this
-            logits = _decode_step(model, step_input, encoder_out, mask, caches, step).float()
+        step_input = running[:, :, 0].reshape(batch * k, 1).clone()  # a buffer of its own, not a view
+        # generated length ** length_penalty after each step, as HF computes it (a Python float),
+        # indexed by the device position instead
+        length_norm = torch.tensor([float(n) ** length_penalty for n in range(1, width)], device=device)
+
+        def step() -> None:  # device work only (no host sync), so that it can be captured
+            column = (position + 1).view(1)  # where this step's token goes in the sequences
+            norm = length_norm.index_select(0, position.view(1))  # not length_norm[position]: a host read
+            logits = _decode_step(model, step_input, encoder_out, mask, caches).float()
             vocab = logits.shape[-1]
             scores = torch.log_softmax(logits, dim=-1).view(batch, k, vocab) + running_scores[:, :, None]
             top_scores, top_index = scores.view(batch, k * vocab).topk(2 * k, dim=1)  # sorted, best first
             top_beam, top_token = top_index // vocab, top_index % vocab
-            top_seqs = _pick(running, top_beam)
-            top_seqs[:, :, position] = top_token
-            ends = (top_token == config.eos_token_id) | last
+            top_seqs = _pick(running, top_beam).index_copy_(2, column, top_token[:, :, None])
+            ends = (top_token == config.eos_token_id) | (column == max_new_tokens)  # the last step ends all
 
             # Finished hypotheses: candidates among the best k that end here, length-normalised.
-            new_scores = top_scores / position**length_penalty
-            new_scores = new_scores.masked_fill(~(ends & first_k & can_improve[:, None]), float("-inf"))
+            new_scores = (top_scores / norm).masked_fill(~(ends & first_k & can_improve[:, None]), float("-inf"))
             merged_scores = torch.cat([finished_scores, new_scores], dim=1)
             keep = merged_scores.topk(k, dim=1).indices
-            finished = _pick(torch.cat([finished, top_seqs], dim=1), keep)
-            finished_scores = _pick(merged_scores, keep)
-            if last:
-                break
+            finished.copy_(_pick(torch.cat([finished, top_seqs], dim=1), keep))
+            finished_scores.copy_(_pick(merged_scores, keep))
 
-            # The best k candidates that did not end continue; their caches follow them.
+            # The best k candidates that did not end continue; their caches follow them (after the
+            # last step nothing continues, and what this does there is never read).
             cont = top_scores.masked_fill(ends, float("-inf")).topk(k, dim=1).indices
-            running, running_scores = _pick(top_seqs, cont), _pick(top_scores, cont)
+            running.copy_(_pick(top_seqs, cont))
+            running_scores.copy_(_pick(top_scores, cont))
             source_rows = (_pick(top_beam, cont) + row_offset).view(-1)
             for cache in caches:
-                cache["self_k"], cache["self_v"] = cache["self_k"][source_rows], cache["self_v"][source_rows]
-            step_input = running[:, :, position].reshape(batch * k, 1)
+                for name in ("self_k", "self_v"):
+                    cache[name].copy_(cache[name].index_select(0, source_rows))
+            step_input.copy_(running.index_select(2, column).view(batch * k, 1))
 
             # HF's early_stopping=False heuristic: a row with k hypotheses whose best running beam,
             # normalised by the current length, does not beat its worst one is done for good.
             full = torch.isfinite(finished_scores).all(dim=1)
             worst = torch.where(full, finished_scores.min(dim=1).values, float("-inf"))
-            can_improve &= running_scores[:, 0] / position**length_penalty > worst
-            if not bool(can_improve.any()):
-                break
+            can_improve.logical_and_(running_scores[:, 0] / norm > worst)
+            position.add_(1)
+
+        _run_steps(step, lambda: not bool(can_improve.any()), device, max_new_tokens, cuda_graph)
 
         # A hypothesis ends at its only EOS (pad after it) or at the last column; cut the columns
         # that no row's best hypothesis reached.

@@ -122,14 +122,10 @@ class T5Attention(nn.Module):
                 q_src, kv_src, self.n_heads, bias, key_mask, causal, self.backend, dropout_p, far
             )
             return self.o(out)
-        # Decoding's self-attention: keys/values are appended to the cache.
+        # Decoding's self-attention: this position's keys/values fill one slot of the fixed-size
+        # cache (static shapes, for CUDA graphs), and the query attends over all its slots.
         q, k, v = (t.view(b, sq, *heads) for t in q_src.chunk(3, dim=-1))
-        if "position" in cache:  # fixed-size cache (static shapes, for CUDA graphs): fill one slot
-            k, v = _write_cache_slot(cache, cache_prefix, k, v)
-        elif f"{cache_prefix}_k" in cache:
-            k = torch.cat([cache[f"{cache_prefix}_k"], k], dim=1)
-            v = torch.cat([cache[f"{cache_prefix}_v"], v], dim=1)
-        cache[f"{cache_prefix}_k"], cache[f"{cache_prefix}_v"] = k, v
+        k, v = _write_cache_slot(cache, cache_prefix, k, v)
         out = attention(q, k, v, bias, key_mask, causal, self.backend, dropout_p)
         return self.o(out.reshape(b, sq, self.n_heads * self.d_kv))
 
@@ -288,28 +284,30 @@ class T5Stack(nn.Module):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         caches: list[dict] | None = None,
-        past_length: int = 0,
     ) -> torch.Tensor:
-        """Hidden states (batch, q_len, d_model) after the final norm. Decoding passes one dict per
-        block in `caches`: growing ones with `past_length` the positions already cached, or fixed-size
-        ones (keys "position" and "length", see `_write_cache_slot`), which carry the position."""
+        """Hidden states (batch, q_len, d_model) after the final norm. Decoding (`generation`) passes
+        one fixed-size cache dict per block in `caches` (keys "position" and "length", see
+        `_write_cache_slot`) and one token per row."""
         h = self.dropout(self.embed_tokens(input_ids))
         device_type = input_ids.device.type
         if self.config.residual_dtype == "autocast" and torch.is_autocast_enabled(device_type):
             h = h.to(torch.get_autocast_dtype(device_type))  # the residual adds then stay in it
         q_len = input_ids.shape[1]
         key_mask = None if attention_mask is None else attention_mask.to(torch.bool)
-        if caches is not None and "position" in caches[0]:
-            # Fixed-size cache (`generation.greedy_generate`): one query at position caches[0]["position"]
-            # (a device tensor, so every step has the same shapes), keys in all cache["length"] slots,
-            # those not yet written masked.
+        past_length, k_len = 0, q_len
+        if caches is not None:
+            # One query at position caches[0]["position"] (a device tensor, so every step has the same
+            # shapes), keys in all cache["length"] slots, those not yet written masked.
+            if not all("position" in c and "length" in c for c in caches):
+                raise ValueError(
+                    'caches must be fixed-size: one dict per block with "position" (a 0-dim device tensor) '
+                    'and "length" (see training.model.generation._fixed_caches)'
+                )
             if q_len != 1 or key_mask is not None:
                 raise ValueError("a fixed-size cache decodes one position per call, without a decoder mask")
             past_length, k_len = caches[0]["position"], caches[0]["length"]
             slots = torch.arange(k_len, device=input_ids.device)
             key_mask = (slots <= past_length).expand(input_ids.shape[0], k_len)
-        else:
-            k_len = past_length + q_len
         bias = self.position_bias(q_len, k_len, past_length, input_ids.device)
         enc_mask = None if encoder_attention_mask is None else encoder_attention_mask.to(torch.bool)
         for i, block in enumerate(self.block):
@@ -448,11 +446,11 @@ class T5ForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """Greedy decoding (num_beams=1) or beam search with a key/value cache, as transformers'
         `generate(num_beams=..., length_penalty=...)` decodes (see `training.model.generation`).
-        cuda_graph: on CUDA, greedy decoding replays its step as a CUDA graph (False: every step eager)."""
+        cuda_graph: on CUDA, decoding replays its step as a CUDA graph (False: every step eager)."""
         from training.model.generation import beam_search_generate, greedy_generate
 
         if num_beams == 1:
             return greedy_generate(self, input_ids, attention_mask, max_new_tokens, cuda_graph)
         return beam_search_generate(
-            self, input_ids, attention_mask, max_new_tokens, num_beams, length_penalty
+            self, input_ids, attention_mask, max_new_tokens, num_beams, length_penalty, cuda_graph
         )

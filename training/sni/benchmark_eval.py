@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-beams", type=int, default=1, help="1 = greedy; k > 1 = beam search")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                   help="greedy decoding replays its step as a CUDA graph (--no-cuda-graph: eager steps)")  # fmt: skip
+                   help="decoding replays its step as a CUDA graph (--no-cuda-graph: eager steps)")  # fmt: skip
     args = p.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
