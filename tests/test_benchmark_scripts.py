@@ -111,10 +111,10 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore,dqstored", args)  # fmt: skip
+                      "fartiles,clipbefore,dqstored,deterministic", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
-                     far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False)  # fmt: skip
+                     far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
@@ -127,7 +127,7 @@ def test_model_benchmark_variant_items_parse():
     # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
-               "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore",
+               "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic",
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"

@@ -49,9 +49,11 @@ def test_finetune_lowers_loss_and_predicts_every_test_id(random_init_run):
 def test_finetune_from_our_pretraining_run_and_from_hf(random_init_run, tmp_path):
     """init= one of our runs (newest checkpoint), and init= an HF directory exported from it."""
     from_run = tmp_path / "from_run"
-    finetune(from_run, f"init={random_init_run}", "data.epochs=1")
+    finetune(from_run, f"init={random_init_run}", "data.epochs=1", "deterministic=true")
     events = read_metrics(from_run / "metrics.jsonl", "event")
     assert events[0]["init"] == str(random_init_run)
+    # the run config's `deterministic` reached torch (the random-init run ran without it)
+    assert events[0]["deterministic"] and not read_metrics(random_init_run / "metrics.jsonl", "event")[0]["deterministic"]
     # starting from a trained model, the first loss is far below the random-init first loss
     start_loss = read_metrics(from_run / "metrics.jsonl", "train")[0]["loss"]
     random_start = read_metrics(random_init_run / "metrics.jsonl", "train")[0]["loss"]

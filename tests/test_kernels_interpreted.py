@@ -67,15 +67,36 @@ def test_kernels_match_torch_in_the_triton_interpreter():
 def test_attention_backward_switches_refuse_what_they_cannot_run(dq_path, dbias_path, message, monkeypatch):
     """The backward's module switches are checked before any kernel runs (no triton needed here): dQ
     from the stored dS needs the bias gradient summed from that dS, and unknown values are named."""
-    import torch
-
     from training.model import triton_attention as ta
 
     monkeypatch.setattr(ta, "DQ_PATH", dq_path)
     monkeypatch.setattr(ta, "DBIAS_PATH", dbias_path)
+    with pytest.raises(ValueError, match=message):
+        ta._launch_bwd(*_backward_inputs())
+
+
+def _backward_inputs() -> tuple:
+    """`_launch_bwd`'s arguments for a self-attention with a bias: batch 1, 8 positions, 2 heads of 4."""
+    import torch
+
     b, s, heads, d = 1, 8, 2, 4
     qkv, bias = torch.randn(b, s, 3 * heads * d), torch.randn(heads, s, s)
     out, lse, dout = torch.randn(b, s, heads * d), torch.zeros(2, b, heads, s), torch.randn(b, s, heads * d)
-    empty_mask = torch.empty((0,), dtype=torch.uint8)
-    with pytest.raises(ValueError, match=message):
-        ta._launch_bwd(qkv, qkv.new_empty((0,)), bias, empty_mask, out, lse, dout, False, heads)
+    return qkv, qkv.new_empty((0,)), bias, torch.empty((0,), dtype=torch.uint8), out, lse, dout, False, heads
+
+
+def test_the_atomic_bias_gradient_refuses_deterministic_mode(monkeypatch):
+    """Under `training.determinism.set_deterministic(True)` the bias gradient by atomic adds raises
+    before any kernel runs (as torch's own non-deterministic ops do); the default path is allowed."""
+    from training.determinism import set_deterministic
+    from training.model import triton_attention as ta
+
+    monkeypatch.setattr(ta, "DQ_PATH", "recompute")
+    monkeypatch.setattr(ta, "DBIAS_PATH", "atomic")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    set_deterministic(True)
+    try:
+        with pytest.raises(RuntimeError, match="atomic adds, which is not deterministic"):
+            ta._launch_bwd(*_backward_inputs())
+    finally:
+        set_deterministic(False)

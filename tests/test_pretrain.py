@@ -151,6 +151,18 @@ def test_resume_continues_exactly(reference_run, shards, tmp_path):
     assert_weights_close(final_weights(resumed), final_weights(reference_run), rtol=1e-6)
 
 
+def test_deterministic_run_matches_the_reference(reference_run, shards, tmp_path):
+    """`deterministic=true` reaches torch (logged in the start event) and changes no result on CPU,
+    whose kernels are deterministic anyway (GPU runs: docs/performance.md)."""
+    run = tmp_path / "deterministic"
+    train(run, shards, "deterministic=true", "checkpoint.every_steps=0", "eval.every_steps=0")
+    assert read_metrics(run / "metrics.jsonl", "event")[0]["deterministic"]
+    assert not read_metrics(reference_run / "metrics.jsonl", "event")[0]["deterministic"]
+    ref, got = losses(reference_run), losses(run)
+    for step in range(1, STEPS + 1):
+        assert got[step] == pytest.approx(ref[step], rel=1e-6), step
+
+
 def test_two_ranks_match_one_and_resume_on_one(reference_run, shards, tmp_path):
     """2 gloo ranks see the same global batches as 1 rank; a 2-rank checkpoint resumes on 1 rank."""
     two = tmp_path / "two_ranks"

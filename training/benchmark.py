@@ -22,8 +22,10 @@ training/model/triton_gated_gelu.py), fartiles | fartiles=fwd+dq+dkdv | nofartil
 beyond the distance where T5's bias saturates skip their bias loads, in every attention kernel, in
 the ones named, or in none; triton_attention.FAR_TILES), clipinstep|clipbefore (AdamWScale clips the
 gradients inside its step, as training runs at ZeRO 0 do, or torch's clip_grad_norm_ runs before the
-step; training/grad_clip.py). Each variant
-prints one table row; --json appends one JSON object per variant to a file. The attention tiles
+step; training/grad_clip.py), deterministic (training/determinism.py: deterministic algorithms, as the
+run config's `deterministic`). Each variant prints one table row, ending with the loss of the last
+step and the sum of every parameter after it (two runs of the same variant are bit-identical when
+both are); --json appends one JSON object per variant to a file. The attention tiles
 come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
 """
 
@@ -37,6 +39,7 @@ import time
 
 import torch
 
+from training.determinism import set_deterministic
 from training.grad_clip import GradClip
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model.config import RESIDUAL_DTYPES
@@ -61,6 +64,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
+        deterministic=False,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -89,6 +93,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["clip_in_step"] = item == "clipinstep"
         elif item in ("bf16residual", "fp32residual"):
             variant["residual_dtype"] = "autocast" if item == "bf16residual" else "float32"
+        elif item == "deterministic":
+            variant["deterministic"] = True
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -116,6 +122,7 @@ def variant_label(v: dict) -> str:
     notes += [] if v["triton_gelu"] else ["torch GELU"]
     notes += [f"far tiles {'+'.join(v['far_tiles'])}" if v["far_tiles"] else "no far tiles"]
     notes += [] if v["clip_in_step"] else ["clip before step"]
+    notes += ["deterministic"] if v["deterministic"] else []
     return ", ".join([v["attention"], *notes])
 
 
@@ -126,10 +133,12 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     defaults = ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED
     ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES = variant["dbias"], variant["dq"], variant["far_tiles"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
+    set_deterministic(variant["deterministic"])
     try:
         return _run_variant(variant, args, device)
     finally:
         ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED = defaults
+        set_deterministic(False)
 
 
 def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -206,6 +215,7 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         variant=variant, s_per_step=sec, wall_s_per_step=wall_sec, tokens_per_s=bs * (src + tgt) / sec,
         model_tflops=flops / sec / 1e12,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30, first_step_s=first_step_s, final_loss=float(loss.detach()),
+        param_sum=float(sum(p.detach().double().sum() for p in model.parameters())),
         optimizer=type(optimizer).__name__,
     )  # fmt: skip
     return result
@@ -338,9 +348,9 @@ def main(argv: list[str] | None = None) -> None:
         attention_microbenchmark(args.batch_size, args.input_length)
     print(
         "| attention | compile | fused CE | batch | s/step | tokens/s | model TFLOP/s | MFU | peak GiB | 1st step s "
-        "| wall s/step |"
+        "| wall s/step | last loss | parameter sum |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for spec in args.variants.split(";") if args.variants else [""]:
         variant = parse_variant(spec, args)
         try:
@@ -356,11 +366,12 @@ def main(argv: list[str] | None = None) -> None:
         head = f"| {variant_label(v)} | {compiled} | "
         head += f"{'yes' if v['fused_ce'] else 'no'} | {v['batch_size']} |"
         if "error" in r:
-            print(f"{head} {r['error']} | | | | {r.get('peak_gib', 0):.1f} | | |", flush=True)
+            print(f"{head} {r['error']} | | | | {r.get('peak_gib', 0):.1f} | | | | |", flush=True)
         else:
             r["mfu"] = r["model_tflops"] / ceiling
             print(f"{head} {r['s_per_step']:.4f} | {r['tokens_per_s'] / 1e3:.0f}k | {r['model_tflops']:.0f} | "
-                  f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['first_step_s']:.0f} | {r['wall_s_per_step']:.4f} |",
+                  f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['first_step_s']:.0f} | {r['wall_s_per_step']:.4f} | "
+                  f"{r['final_loss']:.9g} | {r['param_sum']!r} |",
                   flush=True)  # fmt: skip
         r["matmul_ceiling_tflops"] = ceiling
         if args.json:

@@ -24,6 +24,7 @@ import time
 import torch
 
 from training.budget import Horizon
+from training.determinism import set_deterministic
 from training.distributed import DistInfo, all_reduce_sum
 from training.metrics import train_line
 from training.run_setup import (
@@ -61,6 +62,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    if cfg.deterministic:  # before the first matmul and the first compile
+        set_deterministic(True)
 
     # --- data: every rank encodes the same instances (a few seconds), then takes its batches ----
     tokenizer = SNITokenizer(cfg.data.tokenizer)
@@ -96,7 +99,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
     metrics = open_run_outputs(cfg, ds_config, model_cfg, out_dir, rank=rank)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "init": cfg.init,
-                          "train_instances": len(examples), "total_steps": total_steps})
+                          "train_instances": len(examples), "total_steps": total_steps,
+                          "deterministic": torch.are_deterministic_algorithms_enabled()})
     logger.info("%d training instances of %d tasks: %d steps per epoch, %d steps", len(examples), len(tasks),
                 steps_per_epoch, total_steps)
 

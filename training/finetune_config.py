@@ -89,6 +89,9 @@ class FinetuneConfig:
     """The run directory (checkpoints, metrics.jsonl, sni_eval/)."""
     seed: int = 2137
     """Seeds initialisation, task shuffles, label choice and batch order."""
+    deterministic: bool = False
+    """Bit-identical GPU runs from the same seed (training/determinism.py; slower steps, as in
+    pre-training: docs/performance.md)."""
     device: str = "auto"
     """auto | cuda | cpu."""
     precision: str = "bf16"

@@ -23,6 +23,7 @@ import time
 import torch
 
 from training.budget import Horizon, TimeBudget
+from training.determinism import set_deterministic
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.metrics import train_line
 from training.nonfinite_watch import NonfiniteWatch
@@ -59,6 +60,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    if cfg.deterministic:  # before the first matmul and the first compile
+        set_deterministic(True)
 
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
     model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)
@@ -94,7 +97,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
     metrics = open_run_outputs(cfg, ds_config, model_cfg, out_dir, rank=rank)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "world_size": world_size,
-                          "parameters": sum(p.numel() for p in model.parameters())})
+                          "parameters": sum(p.numel() for p in model.parameters()),
+                          "deterministic": torch.are_deterministic_algorithms_enabled()})
 
     val_batches = list(validation_batches(
         cfg.data.dir, rank=rank, world_size=world_size, batch_size=eval_batch_size_per_rank(cfg, world_size),

@@ -208,6 +208,11 @@ def _launch_bwd(
     # by the dQ kernel, or by the dK/dV kernel for dQ from dS); 2 = an fp32 (H, SQ, SK) buffer that the
     # dQ kernel adds dS into; 0 = none.
     ds_mode = 1 if dq_from_ds else 0 if not flags["HAS_BIAS"] else {"ds": 1, "atomic": 2, "kernel": 0}[DBIAS_PATH]
+    if ds_mode == 2 and torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError(
+            "triton_attention.DBIAS_PATH 'atomic' sums the bias gradient with atomic adds, which is not "
+            "deterministic: set it to 'ds' (the default) or 'kernel', or turn deterministic algorithms off"
+        )
     ds = q_src.new_empty((0,))
     if ds_mode == 1:  # causal: tiles above the diagonal are never visited, so they must read as 0
         ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
