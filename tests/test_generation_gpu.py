@@ -109,3 +109,26 @@ def test_a_step_that_cannot_be_captured_goes_on_eagerly(monkeypatch, num_beams):
     torch.randint(0, 9, (4,), device="cuda")  # the failed capture gave the generator back its state
     monkeypatch.setattr(generation, "_decode_step", real)
     assert torch.equal(model.generate(ids, **kwargs), eager)  # graphs work again
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_cuda_graph_decoding_under_deterministic_algorithms(num_beams):
+    """A run with `deterministic: true` evaluates under torch's deterministic algorithms (some ops,
+    e.g. index_copy_, switch kernels): decoding still captures, without the fallback's warning, and
+    gives the eager tokens."""
+    import warnings
+
+    from training.determinism import set_deterministic
+
+    model = _model()
+    ids, mask = _inputs()
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, num_beams=num_beams)
+    eager = model.generate(ids, cuda_graph=False, **kwargs)
+    set_deterministic(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="decoding could not be captured")
+            graphed = model.generate(ids, **kwargs)
+    finally:
+        set_deterministic(False)
+    assert torch.equal(graphed, eager)

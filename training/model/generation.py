@@ -209,8 +209,8 @@ def beam_search_generate(
         first_k = torch.arange(2 * k, device=device) < k
         row_offset = torch.arange(batch, device=device)[:, None] * k
         step_input = running[:, :, 0].reshape(batch * k, 1).clone()  # a buffer of its own, not a view
-        # generated length ** length_penalty after each step, as HF computes it (a Python float),
-        # indexed by the device position instead
+        # generated length ** length_penalty after each step: the values HF divides by (Python floats,
+        # fp32 here), in a table indexed by the device position
         length_norm = torch.tensor([float(n) ** length_penalty for n in range(1, width)], device=device)
 
         def step() -> None:  # device work only (no host sync), so that it can be captured
