@@ -54,20 +54,25 @@ def _check(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> 
         raise SystemExit(f"MISMATCH: {name}: {err:.2e} >= {tol:.0e}")
 
 
-# (bias-gradient path, dQ path) pairs the backward is checked with: every bias-gradient path with
-# dQ recomputed, and dQ from the dS the dK/dV kernel stores (which sums dS for the bias gradient).
-BACKWARD_PATHS = [(path, "recompute") for path in ta.DBIAS_PATHS] + [("ds", "stored")]
+# (bias-gradient path, dQ path, who sums the stored dS) the backward is checked with: every
+# bias-gradient path with dQ recomputed, the stored dS summed by torch, and dQ from the dS the dK/dV
+# kernel stores (which sums dS for the bias gradient).
+BACKWARD_PATHS = [(path, "recompute", "kernel") for path in ta.DBIAS_PATHS] + [
+    ("ds", "recompute", "torch"),
+    ("ds", "stored", "kernel"),
+]
 
 
-def _backward_tag(dbias_path: str, dq_path: str) -> str:
-    return f"bias gradient path {dbias_path}" + ("" if dq_path == "recompute" else f", dQ {dq_path}")
+def _backward_tag(dbias_path: str, dq_path: str, ds_sum: str) -> str:
+    tag = f"bias gradient path {dbias_path}" + ("" if dq_path == "recompute" else f", dQ {dq_path}")
+    return tag + (f", dS summed by {ds_sum}" if dbias_path == "ds" and ds_sum != "kernel" else "")
 
 
-DEFAULT_PATHS = (ta.DBIAS_PATH, ta.DQ_PATH)
+DEFAULT_PATHS = (ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM)
 
 
-def _set_paths(dbias_path: str = DEFAULT_PATHS[0], dq_path: str = DEFAULT_PATHS[1]) -> None:
-    ta.DBIAS_PATH, ta.DQ_PATH = dbias_path, dq_path
+def _set_paths(*paths: str) -> None:
+    ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM = paths or DEFAULT_PATHS
 
 
 def check_attention() -> None:
@@ -113,7 +118,11 @@ def check_attention() -> None:
     _set_paths()
 
 
-FAR_TILE_PATHS = {"ds": ("ds", "recompute"), "atomic": ("atomic", "recompute"), "dQ stored": ("ds", "stored")}
+FAR_TILE_PATHS = {
+    "ds": ("ds", "recompute", "kernel"),
+    "atomic": ("atomic", "recompute", "kernel"),
+    "dQ stored": ("ds", "stored", "kernel"),
+}
 
 
 def check_far_tiles() -> None:
@@ -172,6 +181,17 @@ def check_far_tiles() -> None:
         _check(f"{tag}: dbias against math", dbias, br.grad, 3e-5)
 
 
+def check_ds_batch_sum() -> None:
+    """The stored dS's sum over the batch: several batch steps, a partial last one, a partial last
+    block of elements (the test's tile sizes: tests/test_kernels_interpreted.py)."""
+    for shape in [(5, 2, 24, 40), (3, 1, 7, 9)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            ds = torch.randn(shape).to(dtype)
+            got = ta._ds_batch_sum(ds, lambda kernel: kernel)
+            assert got.dtype == torch.float32 and got.shape == shape[1:]
+            _check(f"dS summed over the batch {shape} {dtype}", got, ds.float().sum(0), 1e-6)
+
+
 def check_gated_gelu() -> None:
     for shape, f in [((5,), 64), ((2, 3), 1500), ((4,), 2048)]:  # 1500: a partial column block
         for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]:
@@ -182,6 +202,34 @@ def check_gated_gelu() -> None:
             ref.backward(dout.float())
             _check(f"gated GELU {tuple(shape)} F={f} {dtype} forward", tg._launch_fwd(h), ref, tol)
             _check(f"gated GELU {tuple(shape)} F={f} {dtype} backward", tg._launch_bwd(h, dout), hr.grad, tol)
+
+
+def check_ffn_epilogue() -> None:
+    """benchmarks/ffn_epilogue.py's GEMMs with the gated GELU in their epilogues (pointer loads and
+    TMA descriptors) against the unfused FFN: h = x [W0; W1]^T, gelu_tanh(gate) * lin, and the
+    GELU's gradient from dout = dy Wo. 70 rows: a partial row tile."""
+    import triton
+
+    from benchmarks import ffn_epilogue as fe
+
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    kernels = (fe._ffn_in_kernel, fe._ffn_out_grad_kernel, fe._ffn_in_tma_kernel, fe._ffn_out_grad_tma_kernel)
+    saved = [k.configs for k in kernels]
+    for k in kernels:
+        k.configs = fe._configs([(32, 32, 16, 1, 4)])
+    m, d, f = 70, 48, 64
+    x, dy = torch.randn(m, d), torch.randn(m, d)
+    w0, w1, wo = torch.randn(f, d), torch.randn(f, d), torch.randn(d, f)
+    h_ref = (x @ torch.cat([w0, w1]).t()).requires_grad_()
+    out_ref = tg.gated_gelu_reference(h_ref)
+    out_ref.backward(dy @ wo)
+    for loads, fwd, bwd in (("pointers", *kernels[:2]), ("TMA", *kernels[2:])):
+        h, out = fe.ffn_in(x, w0, w1, fwd)
+        _check(f"FFN epilogue ({loads}) h", h, h_ref, 1e-5)
+        _check(f"FFN epilogue ({loads}) gelu_tanh(gate) * lin", out, out_ref, 1e-5)
+        _check(f"FFN epilogue ({loads}) [dgate | dlin]", fe.ffn_out_grad(dy, wo, h_ref.detach(), bwd), h_ref.grad, 1e-5)
+    for k, configs in zip(kernels, saved):
+        k.configs = configs
 
 
 def check_model() -> None:
@@ -216,12 +264,13 @@ def check_model() -> None:
 
     ref_loss, ref_grads = run("math")
     default_far = ta.FAR_TILES
-    cases = [(*paths, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias")]] + [("ds", "recompute", True)]
-    for dbias_path, dq_path, far_tiles in cases:
-        _set_paths(dbias_path, dq_path)
+    cases = [(*paths, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias", "kernel")]]
+    cases.append(("ds", "recompute", "kernel", True))
+    for dbias_path, dq_path, ds_sum, far_tiles in cases:
+        _set_paths(dbias_path, dq_path, ds_sum)
         ta.FAR_TILES = ta.FAR_TILE_KERNELS if far_tiles else ()
         loss, grads = run("triton")
-        tag = _backward_tag(dbias_path, dq_path) + (", far tiles" if far_tiles else "")
+        tag = _backward_tag(dbias_path, dq_path, ds_sum) + (", far tiles" if far_tiles else "")
         _check(f"tiny T5 loss, triton attention ({tag})", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
         _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)
@@ -237,7 +286,9 @@ def main() -> None:
     torch.manual_seed(0)
     check_attention()
     check_far_tiles()
+    check_ds_batch_sum()
     check_gated_gelu()
+    check_ffn_epilogue()
     check_model()
     print("ALL KERNEL CHECKS PASSED")
 

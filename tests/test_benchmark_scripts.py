@@ -111,9 +111,9 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore,dqstored,deterministic", args)  # fmt: skip
+                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
-                     dbias="kernel", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
+                     dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
@@ -128,9 +128,11 @@ def test_model_benchmark_variant_items_parse():
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic",
+               "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel",
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
+    assert {parse_variant(item, args)["ds_sum"] for item in ("dssumkernel", "dssumtorch")} == set(ta.DS_SUMS)
     assert {parse_variant(item, args)["dq"] for item in DQ_ITEMS} == set(ta.DQ_PATHS)
     assert all(parse_variant(item, args)["dq"] == path for item, path in DQ_ITEMS.items())
     with pytest.raises(SystemExit, match="fast"):
@@ -147,7 +149,8 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/gemm_shapes.py", "needs a CUDA GPU"),
                          ("benchmarks/fp8_gemm_shapes.py", "needs a CUDA GPU with FP8 tensor cores"),
                          ("benchmarks/rms_norm.py", "needs a CUDA GPU"),
-                         ("benchmarks/decode_steps.py", "needs a CUDA GPU")):
+                         ("benchmarks/decode_steps.py", "needs a CUDA GPU"),
+                         ("benchmarks/ffn_epilogue.py", "needs triton and a CUDA GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 

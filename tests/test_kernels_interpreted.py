@@ -27,6 +27,8 @@ SMALL_TILES = {
     "T5DS_ATTN_DQDS_BN": "32",
     "T5DS_ATTN_DBIAS_BM": "16",
     "T5DS_ATTN_DBIAS_BN": "16",
+    "T5DS_ATTN_DS_SUM_BLOCK": "64",
+    "T5DS_ATTN_DS_SUM_BLOCK_B": "2",
 }
 
 
@@ -52,25 +54,30 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     for dq_path in ("stored", "stored_bias"):
         assert f"tiny T5 loss, triton attention (bias gradient path ds, dQ {dq_path})" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, far tiles)" in proc.stdout
+    assert "tiny T5 loss, triton attention (bias gradient path ds, dS summed by torch)" in proc.stdout
+    assert proc.stdout.count("dS summed over the batch") == 4  # 2 shapes x 2 dtypes
+    assert proc.stdout.count("FFN epilogue") == 6  # 2 kernel pairs x 3 tensors
     assert proc.stdout.count("with and without far tiles") == 27  # 3 shapes x 3 paths x 3 tensors
 
 
 @pytest.mark.parametrize(
-    "dq_path, dbias_path, message",
+    "dq_path, dbias_path, ds_sum, message",
     [
-        ("stored", "atomic", "set DBIAS_PATH to 'ds'"),
-        ("stored", "kernel", "set DBIAS_PATH to 'ds'"),
-        ("recomputed", "ds", "DQ_PATH must be one of"),
-        ("recompute", "sum", "DBIAS_PATH must be one of"),
+        ("stored", "atomic", "kernel", "set DBIAS_PATH to 'ds'"),
+        ("stored", "kernel", "kernel", "set DBIAS_PATH to 'ds'"),
+        ("recomputed", "ds", "kernel", "DQ_PATH must be one of"),
+        ("recompute", "sum", "kernel", "DBIAS_PATH must be one of"),
+        ("recompute", "ds", "inductor", "DS_SUM must be one of"),
     ],
 )
-def test_attention_backward_switches_refuse_what_they_cannot_run(dq_path, dbias_path, message, monkeypatch):
+def test_attention_backward_switches_refuse_what_they_cannot_run(dq_path, dbias_path, ds_sum, message, monkeypatch):
     """The backward's module switches are checked before any kernel runs (no triton needed here): dQ
     from the stored dS needs the bias gradient summed from that dS, and unknown values are named."""
     from training.model import triton_attention as ta
 
     monkeypatch.setattr(ta, "DQ_PATH", dq_path)
     monkeypatch.setattr(ta, "DBIAS_PATH", dbias_path)
+    monkeypatch.setattr(ta, "DS_SUM", ds_sum)
     with pytest.raises(ValueError, match=message):
         ta._launch_bwd(*_backward_inputs())
 

@@ -13,7 +13,9 @@ back to back on the host clock, as a training loop runs them (compare it with th
 A variant is a comma list of: an attention backend (triton|cudnn|sdpa|flex|math), compile|nocompile,
 fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), dbiaskernel|dbiasatomic (the fused kernel's
 bias gradient from its separate dbias kernel, or by atomic adds from the dQ kernel, instead of the
-dS that the dQ kernel writes; triton_attention.DBIAS_PATH), dqrecompute|dqstored|dqstoredbias (dQ
+dS that the dQ kernel writes; triton_attention.DBIAS_PATH), dssumkernel|dssumtorch (that dS summed over
+the batch by our kernel in a fixed order, or by torch, which inductor fuses with the bias table's
+scatter-add; triton_attention.DS_SUM), dqrecompute|dqstored|dqstoredbias (dQ
 recomputed from P and dP, or computed from the dS that the dK/dV kernel stores, in every attention or
 in those with a bias; triton_attention.DQ_PATH), optcompiled|opteager
 (AdamWScale's update compiled or foreach kernels), bf16residual|fp32residual (T5Config.residual_dtype
@@ -58,11 +60,11 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
-    from training.model.triton_attention import DQ_PATH, FAR_TILES
+    from training.model.triton_attention import DQ_PATH, DS_SUM, FAR_TILES
 
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
-        mode=args.compile_mode, dbias="ds", dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
+        mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
         deterministic=False,
     )  # fmt: skip
@@ -79,6 +81,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["mode"] = item[5:]
         elif item in ("dbiaskernel", "dbiasatomic"):
             variant["dbias"] = item[5:]
+        elif item in ("dssumkernel", "dssumtorch"):
+            variant["ds_sum"] = item[5:]
         elif item in ("dqrecompute", "dqstored", "dqstoredbias"):
             variant["dq"] = {"dqrecompute": "recompute", "dqstored": "stored", "dqstoredbias": "stored_bias"}[item]
         elif item in ("optcompiled", "opteager"):
@@ -116,6 +120,7 @@ def variant_label(v: dict) -> str:
     """The table row's first column: the attention backend and every kernel/optimizer/dtype choice
     that differs from the default path."""
     notes = [] if v["dbias"] == "ds" else [f"dbias {v['dbias']}"]
+    notes += [f"dS summed by {v['ds_sum']}"] if v["dbias"] == "ds" and v["ds_sum"] != "kernel" else []
     notes += [] if v["dq"] == "recompute" else [f"dQ {v['dq'].replace('_', ' ')}"]
     notes += ["opt compiled"] if v["opt_compiled"] else []
     notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
@@ -130,8 +135,9 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import triton_attention as ta
     from training.model import triton_gated_gelu
 
-    defaults = ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED
-    ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES = variant["dbias"], variant["dq"], variant["far_tiles"]
+    defaults = ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED
+    ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
+    ta.FAR_TILES = variant["far_tiles"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     # Per variant, so after the matmul ceiling's first cuBLAS call (set_deterministic asks for before):
     # cuBLAS keeps the workspace it started with, and two deterministic runs were bit-identical anyway.
@@ -139,7 +145,7 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     try:
         return _run_variant(variant, args, device)
     finally:
-        ta.DBIAS_PATH, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED = defaults
+        ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED = defaults
         set_deterministic(False)
 
 

@@ -20,7 +20,8 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
 - `_fwd_kernel`: grid (q blocks, B*H); writes out and the row max / inverse sum (base 2).
 - `_bwd_dkdv_kernel`: grid (k blocks, B*H); dK, dV of one key block, walking the query blocks; with
   `DQ_PATH` "stored" (by default "stored_bias": where there is a bias) it also stores dS (B, H, Sq,
-  Sk) in the input dtype, torch sums it over the batch for the bias gradient, and
+  Sk) in the input dtype, `_ds_batch_sum_kernel` sums it over the batch for the bias gradient (in a
+  fixed order: `DS_SUM`), and
 - `_bwd_dq_from_ds_kernel`: grid (q blocks, B*H); dQ = dS K from the stored dS (no recomputation).
 - `_bwd_dq_kernel` (`DQ_PATH` "recompute", and attention without a bias by default): grid (q
   blocks, B*H); recomputes P and accumulates dQ; with a bias it also stores dS for the bias gradient
@@ -81,6 +82,10 @@ DBIAS_BLOCK_M = _env_int("T5DS_ATTN_DBIAS_BM", 64)
 DBIAS_BLOCK_N = _env_int("T5DS_ATTN_DBIAS_BN", 64)
 DBIAS_WARPS = _env_int("T5DS_ATTN_DBIAS_WARPS", 4)
 DBIAS_STAGES = _env_int("T5DS_ATTN_DBIAS_STAGES", 2)
+# The stored dS's sum over the batch: BLOCK elements of one batch element per program, BLOCK_B batch
+# elements per step.
+DS_SUM_BLOCK = _env_int("T5DS_ATTN_DS_SUM_BLOCK", 1024)
+DS_SUM_BLOCK_B = _env_int("T5DS_ATTN_DS_SUM_BLOCK_B", 8)
 
 if _HAS_TRITON:
     import triton
@@ -90,6 +95,7 @@ if _HAS_TRITON:
         _bwd_dkdv_kernel,
         _bwd_dq_from_ds_kernel,
         _bwd_dq_kernel,
+        _ds_batch_sum_kernel,
         _fwd_kernel,
     )
 
@@ -164,6 +170,14 @@ def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: in
 # recomputes P and dO V^T per batch element (no buffer). Benchmark variants `dbiasatomic`, `dbiaskernel`.
 DBIAS_PATHS = ("ds", "atomic", "kernel")
 DBIAS_PATH = "ds"
+# Who sums the stored dS over the batch (bias-gradient path "ds"): "kernel" = `_ds_batch_sum_kernel`,
+# in one fixed order; "torch" = `ds.sum(0)`, which torch.compile fuses with the other layers' sums and
+# the bias table's scatter-add. Under deterministic algorithms inductor no longer autotunes that
+# reduction, and its fixed choice took 8.4 ms a step instead of 3.2; the kernel takes 3.6 ms in
+# either mode, the same step time by default and 6 ms less per step under deterministic algorithms
+# (T5 base, H100, docs/model.md). Benchmark variants `dssumkernel`, `dssumtorch`.
+DS_SUMS = ("kernel", "torch")
+DS_SUM = "kernel"
 # dQ: "recompute" = the dQ kernel recomputes P and dP = dO V^T per tile (FlashAttention-2's two
 # kernels); "stored" = the dK/dV kernel stores dS (B, H, SQ, SK) in the input dtype and
 # `_bwd_dq_from_ds_kernel` computes dQ = dS K from it (no recomputation; one batch-sized buffer for
@@ -197,6 +211,8 @@ def _launch_bwd(
         raise ValueError(f"triton_attention.DBIAS_PATH must be one of {DBIAS_PATHS}, got {DBIAS_PATH!r}")
     if DQ_PATH not in DQ_PATHS:
         raise ValueError(f"triton_attention.DQ_PATH must be one of {DQ_PATHS}, got {DQ_PATH!r}")
+    if DS_SUM not in DS_SUMS:
+        raise ValueError(f"triton_attention.DS_SUM must be one of {DS_SUMS}, got {DS_SUM!r}")
     strides = (*q_src.stride()[:2], *kv.stride()[:2], *dout.stride()[:2])
     if DQ_PATH == "stored" and flags["HAS_BIAS"] and DBIAS_PATH != "ds":
         raise ValueError(
@@ -241,7 +257,7 @@ def _launch_bwd(
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
     elif ds_mode == 1:
-        dbias = ds.sum(0, dtype=torch.float32)
+        dbias = _ds_batch_sum(ds, wrap) if DS_SUM == "kernel" else ds.sum(0, dtype=torch.float32)
     elif ds_mode == 2:
         dbias = ds
     else:
@@ -254,6 +270,16 @@ def _launch_bwd(
             **_even(SQ, SK, DBIAS_BLOCK_M, DBIAS_BLOCK_N),
         )  # fmt: skip
     return dq_src, dkv_src, dbias
+
+
+def _ds_batch_sum(ds: torch.Tensor, wrap) -> torch.Tensor:
+    """(B, H, SQ, SK) dS -> its fp32 sum over the batch, (H, SQ, SK), in a fixed order."""
+    dbias = torch.empty(ds.shape[1:], dtype=torch.float32, device=ds.device)
+    n = dbias.numel()
+    wrap(_ds_batch_sum_kernel)[(triton.cdiv(n, DS_SUM_BLOCK),)](
+        ds, dbias, ds.shape[0], n, BLOCK_B=DS_SUM_BLOCK_B, BLOCK=DS_SUM_BLOCK, num_warps=4
+    )
+    return dbias
 
 
 if _HAS_TRITON and hasattr(torch.library, "triton_op"):

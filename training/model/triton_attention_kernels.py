@@ -293,3 +293,21 @@ def _bwd_dbias_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
     tl.store(DBIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], acc,
              mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
 # fmt: on
+
+
+@triton.jit
+def _ds_batch_sum_kernel(DS, DBIAS, B, N, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """DBIAS[i] = sum over b of DS[b, i], in fp32, for the N = H * SQ * SK elements of one batch
+    element: BLOCK contiguous elements per program, BLOCK_B batch elements per step, always added in
+    the same order (so the bias gradient is bit-identical from run to run, which an autotuned
+    reduction is not)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < N
+    rows = tl.arange(0, BLOCK_B)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for b0 in range(0, B, BLOCK_B):
+        b = b0 + rows
+        x = tl.load(DS + b.to(tl.int64)[:, None] * N + offs[None, :], mask=(b < B)[:, None] & inside[None, :],
+                    other=0.0)
+        acc += tl.sum(x.to(tl.float32), axis=0)
+    tl.store(DBIAS + offs, acc, mask=inside)
