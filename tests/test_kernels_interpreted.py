@@ -29,6 +29,7 @@ SMALL_TILES = {
     "T5DS_ATTN_DBIAS_BN": "16",
     "T5DS_ATTN_DS_SUM_BLOCK": "64",
     "T5DS_ATTN_DS_SUM_BLOCK_B": "2",
+    "T5DS_ATTN_DELTA_BM": "16",
 }
 
 

@@ -26,6 +26,8 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
 - `_bwd_dq_kernel` (`DQ_PATH` "recompute", and attention without a bias by default): grid (q
   blocks, B*H); recomputes P and accumulates dQ; with a bias it also stores dS for the bias gradient
   (`DBIAS_PATH = "ds"`), or adds dS into one fp32 (H, Sq, Sk) buffer with atomic adds (`"atomic"`).
+- `_delta_kernel`: grid (q blocks, B*H); rowsum(dO * O) per query row, which every backward
+  kernel reads.
 - `_bwd_dbias_kernel` (`DBIAS_PATH = "kernel"`): grid (q blocks, k blocks, H); recomputes P and
   dO V^T for every batch element of its tile and sums dS in registers (no buffer, two extra small
   GEMMs per tile and batch element).
@@ -86,6 +88,7 @@ DBIAS_STAGES = _env_int("T5DS_ATTN_DBIAS_STAGES", 2)
 # elements per step.
 DS_SUM_BLOCK = _env_int("T5DS_ATTN_DS_SUM_BLOCK", 1024)
 DS_SUM_BLOCK_B = _env_int("T5DS_ATTN_DS_SUM_BLOCK_B", 8)
+DELTA_BLOCK_M = _env_int("T5DS_ATTN_DELTA_BM", 64)  # query rows per program of rowsum(dO * O)
 
 if _HAS_TRITON:
     import triton
@@ -95,6 +98,7 @@ if _HAS_TRITON:
         _bwd_dkdv_kernel,
         _bwd_dq_from_ds_kernel,
         _bwd_dq_kernel,
+        _delta_kernel,
         _ds_batch_sum_kernel,
         _fwd_kernel,
     )
@@ -201,9 +205,7 @@ def _launch_bwd(
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
     flags = _flags(q_src, bias, key_mask, far, "dq")
     kbias = _kernel_bias(bias)
-    dout = dout.contiguous()
-    # rowsum(dO * O) per query row, (B, H, SQ)
-    delta = (dout.float() * out.float()).view(B, SQ, H, D).sum(-1).transpose(1, 2).contiguous()
+    dout, out = dout.contiguous(), out.contiguous()
     dq_src = torch.empty(q_src.shape, dtype=q_src.dtype, device=q_src.device)
     dkv_src = torch.empty(kv_src.shape, dtype=kv_src.dtype, device=kv_src.device)
     dkv = dq_src if kv_src.numel() == 0 else dkv_src  # self-attention: dq, dk, dv all in dq_src
@@ -234,6 +236,12 @@ def _launch_bwd(
         ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
     elif ds_mode == 2:
         ds = torch.zeros((H, SQ, SK), dtype=torch.float32, device=q_src.device)
+    # rowsum(dO * O) per query row, (B, H, SQ)
+    delta = torch.empty((B, H, SQ), dtype=torch.float32, device=q_src.device)
+    wrap(_delta_kernel)[(triton.cdiv(SQ, DELTA_BLOCK_M), B * H)](
+        dout, out, delta, *dout.stride()[:2], *out.stride()[:2], H, SQ, D=D, BLOCK_M=DELTA_BLOCK_M,
+        EVEN_M=SQ % DELTA_BLOCK_M == 0, num_warps=4,
+    )  # fmt: skip
     if not dq_from_ds:
         wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, DQ_BLOCK_M), B * H)](
             q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,

@@ -311,3 +311,20 @@ def _ds_batch_sum_kernel(DS, DBIAS, B, N, BLOCK_B: tl.constexpr, BLOCK: tl.const
                     other=0.0)
         acc += tl.sum(x.to(tl.float32), axis=0)
     tl.store(DBIAS + offs, acc, mask=inside)
+
+
+@triton.jit
+def _delta_kernel(DO, OUT, DELTA, sdob, sdos, sob, sos, H, SQ, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  EVEN_M: tl.constexpr):
+    """DELTA[b, h, m] = sum over d of dO * O (fp32) for one query block of one (batch, head): the
+    backward's rowsum(dO * O), written (B, H, SQ) as the other kernels read it. One fixed order, and
+    one read of dO and O at the copy bandwidth (inductor's reduction, which this replaces, got a slower
+    fixed configuration under deterministic algorithms)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M).to(tl.float32)
+    o = _load_rows(OUT, b, h, offs_m, sob, sos, SQ, D, EVEN_M).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * SQ + offs_m, tl.sum(do * o, axis=1), mask=offs_m < SQ)
