@@ -31,10 +31,12 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import median_cuda_ms  # noqa: E402
-from training.model.triton_gated_gelu import _launch_bwd, _launch_fwd  # noqa: E402
-
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-_GELU_CUBIC = tl.constexpr(0.044715)
+from training.model.triton_gated_gelu import (  # noqa: E402
+    _launch_bwd,
+    _launch_fwd,
+    gated_gelu_fp32,
+    gated_gelu_grads_fp32,
+)
 
 
 def _configs(shapes):
@@ -65,11 +67,6 @@ def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.c
     return first_m + (pid % in_group) % group_m, (pid % in_group) // group_m
 
 
-@triton.jit
-def _tanh(z):
-    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
-
-
 @triton.autotune(configs=_FWD_CONFIGS, key=["M", "N", "K"])
 @triton.jit
 def _ffn_in_kernel(X, W0, W1, H, OUT, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -97,9 +94,7 @@ def _ffn_in_kernel(X, W0, W1, H, OUT, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: t
     h_ptrs = H + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
     tl.store(h_ptrs, gate, mask=inside)
     tl.store(h_ptrs + N, lin, mask=inside)
-    g = gate.to(tl.float32)
-    t = _tanh((g + g * _GELU_CUBIC * g * g) * _SQRT_2_OVER_PI)
-    out = 0.5 * g * (1.0 + t) * lin.to(tl.float32)
+    out = gated_gelu_fp32(gate.to(tl.float32), lin.to(tl.float32))
     tl.store(OUT + rows.to(tl.int64)[:, None] * N + cols[None, :], out.to(OUT.dtype.element_ty), mask=inside)
 
 
@@ -124,13 +119,10 @@ def _ffn_out_grad_kernel(DY, WO, H, DH, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N:
     h_ptrs = H + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
     gate = tl.load(h_ptrs, mask=inside, other=0.0).to(tl.float32)
     lin = tl.load(h_ptrs + N, mask=inside, other=0.0).to(tl.float32)
-    gate2 = gate * gate
-    t = _tanh((gate + gate2 * _GELU_CUBIC * gate) * _SQRT_2_OVER_PI)
-    gelu = 0.5 * gate * (1.0 + t)
-    dgelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + gate2 * (3.0 * _GELU_CUBIC))
+    dgate, dlin = gated_gelu_grads_fp32(gate, lin, dout)
     dh_ptrs = DH + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
-    tl.store(dh_ptrs, (dout * lin * dgelu).to(DH.dtype.element_ty), mask=inside)
-    tl.store(dh_ptrs + N, (dout * gelu).to(DH.dtype.element_ty), mask=inside)
+    tl.store(dh_ptrs, dgate.to(DH.dtype.element_ty), mask=inside)
+    tl.store(dh_ptrs + N, dlin.to(DH.dtype.element_ty), mask=inside)
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["M", "N", "K"])
@@ -155,9 +147,7 @@ def _ffn_in_tma_kernel(X, W0, W1, H, OUT, M, N, K, BLOCK_M: tl.constexpr, BLOCK_
     lin = acc_l.to(H.dtype.element_ty)
     h_desc.store([off_m, off_n], gate)
     h_desc.store([off_m, N + off_n], lin)
-    g = gate.to(tl.float32)
-    t = _tanh((g + g * _GELU_CUBIC * g * g) * _SQRT_2_OVER_PI)
-    out_desc.store([off_m, off_n], (0.5 * g * (1.0 + t) * lin.to(tl.float32)).to(OUT.dtype.element_ty))
+    out_desc.store([off_m, off_n], gated_gelu_fp32(gate.to(tl.float32), lin.to(tl.float32)).to(OUT.dtype.element_ty))
 
 
 @triton.autotune(configs=_BWD_CONFIGS, key=["M", "N", "K"])
@@ -176,12 +166,9 @@ def _ffn_out_grad_tma_kernel(DY, WO, H, DH, M, N, K, BLOCK_M: tl.constexpr, BLOC
     dout = acc.to(DH.dtype.element_ty).to(tl.float32)
     gate = h_desc.load([off_m, off_n]).to(tl.float32)
     lin = h_desc.load([off_m, N + off_n]).to(tl.float32)
-    gate2 = gate * gate
-    t = _tanh((gate + gate2 * _GELU_CUBIC * gate) * _SQRT_2_OVER_PI)
-    gelu = 0.5 * gate * (1.0 + t)
-    dgelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + gate2 * (3.0 * _GELU_CUBIC))
-    dh_desc.store([off_m, off_n], (dout * lin * dgelu).to(DH.dtype.element_ty))
-    dh_desc.store([off_m, N + off_n], (dout * gelu).to(DH.dtype.element_ty))
+    dgate, dlin = gated_gelu_grads_fp32(gate, lin, dout)
+    dh_desc.store([off_m, off_n], dgate.to(DH.dtype.element_ty))
+    dh_desc.store([off_m, N + off_n], dlin.to(DH.dtype.element_ty))
 
 
 def ffn_in(x, w0, w1, kernel=_ffn_in_kernel):

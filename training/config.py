@@ -271,7 +271,7 @@ class RunConfig:
     seed: int = 2137
     """Base random seed (model init, span corruption, data order)."""
     deterministic: bool = False
-    """Bit-identical GPU runs from the same seed and data (training/determinism.py): ~7% slower
+    """Bit-identical GPU runs from the same seed and data (training/determinism.py): ~3% slower
     steps for T5 base on an H100 (docs/performance.md). Without it runs drift apart within tens of steps."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cuda | cpu."""

@@ -38,15 +38,32 @@ if _HAS_TRITON:
         return 2.0 * tl.sigmoid(2.0 * z) - 1.0
 
     @triton.jit
+    def gated_gelu_fp32(gate, lin):
+        """gelu_tanh(gate) * lin on fp32 tiles (the forward kernel's arithmetic, and any other
+        kernel's that computes the activation in its epilogue: benchmarks/ffn_epilogue.py)."""
+        t = _tanh((gate + gate * _GELU_CUBIC * gate * gate) * _SQRT_2_OVER_PI)
+        return 0.5 * gate * (1.0 + t) * lin
+
+    @triton.jit
+    def gated_gelu_grads_fp32(gate, lin, dout):
+        """(dgate, dlin) of gelu_tanh(gate) * lin for the upstream gradient dout, on fp32 tiles."""
+        gate2 = gate * gate
+        t = _tanh((gate + gate2 * _GELU_CUBIC * gate) * _SQRT_2_OVER_PI)
+        gelu = 0.5 * gate * (1.0 + t)
+        # d gelu / d gate = 0.5 (1 + t) + 0.5 gate (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 gate^2)
+        dgelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+            1.0 + gate2 * (3.0 * _GELU_CUBIC)
+        )
+        return dout * lin * dgelu, dout * gelu
+
+    @triton.jit
     def _gated_gelu_fwd_kernel(H, OUT, F_DIM, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < F_DIM
         gate = tl.load(H + row * 2 * F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
         lin = tl.load(H + row * 2 * F_DIM + F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
-        t = _tanh((gate + gate * _GELU_CUBIC * gate * gate) * _SQRT_2_OVER_PI)
-        out = 0.5 * gate * (1.0 + t) * lin
-        tl.store(OUT + row * F_DIM + cols, out.to(OUT.dtype.element_ty), mask=inside)
+        tl.store(OUT + row * F_DIM + cols, gated_gelu_fp32(gate, lin).to(OUT.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _gated_gelu_bwd_kernel(H, DOUT, DH, F_DIM, BLOCK: tl.constexpr):
@@ -56,15 +73,9 @@ if _HAS_TRITON:
         gate = tl.load(H + row * 2 * F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
         lin = tl.load(H + row * 2 * F_DIM + F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
         dout = tl.load(DOUT + row * F_DIM + cols, mask=inside, other=0.0).to(tl.float32)
-        gate2 = gate * gate
-        t = _tanh((gate + gate2 * _GELU_CUBIC * gate) * _SQRT_2_OVER_PI)
-        gelu = 0.5 * gate * (1.0 + t)
-        # d gelu / d gate = 0.5 (1 + t) + 0.5 gate (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 gate^2)
-        dgelu = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * _SQRT_2_OVER_PI * (
-            1.0 + gate2 * (3.0 * _GELU_CUBIC)
-        )
-        tl.store(DH + row * 2 * F_DIM + cols, (dout * lin * dgelu).to(DH.dtype.element_ty), mask=inside)
-        tl.store(DH + row * 2 * F_DIM + F_DIM + cols, (dout * gelu).to(DH.dtype.element_ty), mask=inside)
+        dgate, dlin = gated_gelu_grads_fp32(gate, lin, dout)
+        tl.store(DH + row * 2 * F_DIM + cols, dgate.to(DH.dtype.element_ty), mask=inside)
+        tl.store(DH + row * 2 * F_DIM + F_DIM + cols, dlin.to(DH.dtype.element_ty), mask=inside)
 
 
 def _launch_fwd(h: torch.Tensor, wrap=lambda kernel: kernel) -> torch.Tensor:
