@@ -60,8 +60,10 @@ SHAPES = {  # name -> (query length, key length, causal, has a bias)
 class Case:
     """Inputs of one attention as the model holds them: packed sources, a T5 bias, an output gradient."""
 
-    def __init__(self, shape: str, batch: int, heads: int, d_kv: int, seed: int = 0):
+    def __init__(self, shape: str, batch: int, heads: int, d_kv: int, seed: int = 0, lengths=None):
+        """lengths: (query length, key length) instead of the shape's (equal for self-attention)."""
         sq, sk, self.causal, has_bias = SHAPES[shape]
+        sq, sk = lengths or (sq, sk)
         self.b, self.h, self.d, self.sq, self.sk = batch, heads, d_kv, sq, sk
         gen = torch.Generator(device="cuda").manual_seed(seed)
         hd = heads * d_kv

@@ -9,6 +9,8 @@ sizes must be set before the kernel modules are imported:
 
     TRITON_INTERPRET=1 T5DS_ATTN_FWD_BM=16 ... python -m tests.interpreted_kernels
 
+(the dK/dV kernel's tiles, which differ per class of attention, are set below instead).
+
 Tiles are small (16-32) so that several tiles, partial tiles and the causal diagonal all occur at
 sequence lengths the interpreter runs in seconds. Exits non-zero on the first mismatch.
 """
@@ -29,6 +31,16 @@ from training.model.attention import (
     relative_position_bucket,
 )
 
+# The dK/dV kernel's tiles differ per class of attention on the GPU (triton_attention.tile_class: the
+# kind, and whether the queries are short): here too, small, with "short" at most 24 query rows so
+# that the cases below cover every class (the other kernels' tiles come from the T5DS_ATTN_*
+# variables that tests/test_kernels_interpreted.py sets).
+ta.SHORT_QUERIES = 24
+ta.DKDV_TILES.update({
+    "enc": ta.Tiles(16, 32, 4, 1), "dec": ta.Tiles(32, 16, 4, 1), "cross": ta.Tiles(16, 16, 4, 1),
+    "enc-short": ta.Tiles(32, 32, 4, 1), "dec-short": ta.Tiles(16, 16, 4, 1), "cross-short": ta.Tiles(16, 32, 4, 1),
+})  # fmt: skip
+
 # (batch, q length, k length, causal, padded keys, with a bias (H, SQ, SK) shared by the batch)
 ATTENTION_CASES = [
     (2, 40, 40, False, True, True),
@@ -39,6 +51,7 @@ ATTENTION_CASES = [
     (2, 48, 48, True, True, True),
     (2, 16, 48, False, True, False),
     (2, 16, 48, False, False, True),
+    (2, 21, 21, True, True, True),
 ]
 
 

@@ -111,13 +111,15 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch", args)  # fmt: skip
+                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
-                     far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True)  # fmt: skip
+                     far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True,
+                     tiles_per_class=False)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
+    assert default["tiles_per_class"] and parse_variant("enctiles,classtiles", args)["tiles_per_class"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
     assert parse_variant("nofartiles", args)["far_tiles"] == ()
     with pytest.raises(SystemExit, match="fwd"):
@@ -127,7 +129,7 @@ def test_model_benchmark_variant_items_parse():
     # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
-               "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic",
+               "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic", "enctiles",
                "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel",
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
@@ -140,6 +142,31 @@ def test_model_benchmark_variant_items_parse():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             main([])
+
+
+def test_enctiles_runs_every_attention_with_the_encoders_tiles_and_restores_them(monkeypatch):
+    """`enctiles` gives every attention the encoder's tiles for the variant's run only: the tables
+    are back to each class's own after it, also when the run fails."""
+    import training.benchmark as bench
+    from training.model import triton_attention as ta
+
+    args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
+                              optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
+    tables = {"FWD": ta.FWD_TILES, "DKDV": ta.DKDV_TILES, "DQ": ta.DQ_TILES, "DQDS": ta.DQDS_TILES}
+    before = {name: dict(table) for name, table in tables.items()}
+    seen = []
+
+    def fake_run(variant, args, device):
+        seen.append({name: dict(table) for name, table in tables.items()})
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(bench, "_run_variant", fake_run)
+    for spec in ("enctiles", ""):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            bench.run_variant(bench.parse_variant(spec, args), args, torch.device("cpu"))
+        assert {name: dict(table) for name, table in tables.items()} == before
+    assert all(tiles == table["enc"] for table in seen[0].values() for tiles in table.values())
+    assert seen[1] == before and before["DKDV"]["dec-short"] != before["DKDV"]["enc"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

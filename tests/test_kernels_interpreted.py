@@ -5,6 +5,7 @@ compiled, at the real tile sizes, on a GPU. The checks of the backward's switche
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -15,12 +16,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # 16-32 row/column tiles: the test shapes (16-50 positions) then span several tiles, partial ones,
-# and the causal diagonal, as 512 positions do at the GPU's 64 x 64 tiles.
+# and the causal diagonal, as 512 positions do at the GPU's 64 x 64 tiles. (The dK/dV kernel's
+# tiles, which differ per class of attention, are set in tests/interpreted_kernels.py.)
 SMALL_TILES = {
     "T5DS_ATTN_FWD_BM": "16",
     "T5DS_ATTN_FWD_BN": "16",
-    "T5DS_ATTN_DKDV_BM": "16",
-    "T5DS_ATTN_DKDV_BN": "32",
     "T5DS_ATTN_DQ_BM": "32",
     "T5DS_ATTN_DQ_BN": "16",
     "T5DS_ATTN_DQDS_BM": "16",
@@ -59,6 +59,27 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     assert proc.stdout.count("dS summed over the batch") == 4  # 2 shapes x 2 dtypes
     assert proc.stdout.count("FFN epilogue") == 6  # 2 kernel pairs x 3 tensors
     assert proc.stdout.count("with and without far tiles") == 27  # 3 shapes x 3 paths x 3 tensors
+
+
+def test_tile_variables_set_a_kernels_tiles_for_every_class():
+    """T5DS_ATTN_<KERNEL>_BM / _BN / _WARPS / _STAGES set that kernel's tiles for every class of
+    attention (tuning runs), the rest of each class's tiles staying its own; the backward's kernels also take
+    T5DS_ATTN_BWD_*, which their own variables override. No triton needed."""
+    code = ("import json; from training.model import triton_attention as ta; "
+            "print(json.dumps({n: getattr(ta, n + '_TILES') for n in ('FWD', 'DKDV', 'DQ', 'DQDS')}))")  # fmt: skip
+    default = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                        check=True).stdout)  # fmt: skip
+    env = dict(os.environ, T5DS_ATTN_DKDV_BN="16", T5DS_ATTN_BWD_WARPS="8", T5DS_ATTN_DQ_WARPS="2",
+               T5DS_ATTN_FWD_STAGES="5")  # fmt: skip
+    tuned = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                                      check=True).stdout)  # fmt: skip
+    classes = {"enc", "dec", "cross", "enc-short", "dec-short", "cross-short"}
+    assert all(set(default[kernel]) == classes for kernel in default)
+    for key, (bm, _, _, stages) in default["DKDV"].items():
+        assert tuned["DKDV"][key] == [bm, 16, 8, stages]
+        assert tuned["DQDS"][key] == [*default["DQDS"][key][:2], 8, default["DQDS"][key][3]]
+        assert tuned["DQ"][key] == [*default["DQ"][key][:2], 2, default["DQ"][key][3]]
+        assert tuned["FWD"][key] == [*default["FWD"][key][:3], 5]
 
 
 @pytest.mark.parametrize(

@@ -32,12 +32,17 @@ def _grads(out, tensors, dout):
     return torch.autograd.grad(out, [t for t in tensors if t is not None], dout)
 
 
-CASES = [  # (b, sq, sk, bias, mask, causal): encoder self, decoder self, cross-attention, odd sizes
+# (b, sq, sk, bias, mask, causal): encoder self, decoder self, cross-attention, odd sizes; every
+# class of tiles (triton_attention.tile_class: short queries are at most 128 rows)
+CASES = [
     (4, 512, 512, True, True, False),
     (4, 114, 114, True, True, True),
     (4, 114, 512, False, True, False),
     (3, 77, 77, True, False, True),
     (5, 200, 200, True, False, False),
+    (2, 300, 300, True, False, True),
+    (3, 200, 512, False, True, False),
+    (2, 100, 100, True, True, False),
 ]
 
 

@@ -25,9 +25,11 @@ beyond the distance where T5's bias saturates skip their bias loads, in every at
 the ones named, or in none; triton_attention.FAR_TILES), clipinstep|clipbefore (AdamWScale clips the
 gradients inside its step, as training runs at ZeRO 0 do, or torch's clip_grad_norm_ runs before the
 step; training/grad_clip.py), deterministic (training/determinism.py: deterministic algorithms, as the
-run config's `deterministic`). Each variant prints one table row, ending with the loss of the last
-step and the sum of every parameter after it (two runs of the same variant are bit-identical when
-both are); --json appends one JSON object per variant to a file. The attention tiles
+run config's `deterministic`), classtiles|enctiles (each attention's tiles by its kind and query
+length, or the encoder's for every attention: triton_attention.tile_class and its tile tables). Each
+variant prints one table row, ending with the loss of the last step and the sum of every parameter
+after it (two runs of the same variant are bit-identical when both are); --json appends one JSON
+object per variant to a file. The attention tiles
 come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
 """
 
@@ -66,7 +68,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
-        deterministic=False,
+        deterministic=False, tiles_per_class=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -99,6 +101,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["residual_dtype"] = "autocast" if item == "bf16residual" else "float32"
         elif item == "deterministic":
             variant["deterministic"] = True
+        elif item in ("classtiles", "enctiles"):
+            variant["tiles_per_class"] = item == "classtiles"
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -128,6 +132,7 @@ def variant_label(v: dict) -> str:
     notes += [f"far tiles {'+'.join(v['far_tiles'])}" if v["far_tiles"] else "no far tiles"]
     notes += [] if v["clip_in_step"] else ["clip before step"]
     notes += ["deterministic"] if v["deterministic"] else []
+    notes += [] if v["tiles_per_class"] else ["encoder tiles everywhere"]
     return ", ".join([v["attention"], *notes])
 
 
@@ -136,9 +141,14 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import triton_gated_gelu
 
     defaults = ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED
+    tables = (ta.FWD_TILES, ta.DKDV_TILES, ta.DQ_TILES, ta.DQDS_TILES)
+    default_tiles = [dict(table) for table in tables]
     ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
     ta.FAR_TILES = variant["far_tiles"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
+    if not variant["tiles_per_class"]:  # the encoder's tiles everywhere, as before the sixteenth session
+        for table in tables:
+            table.update(dict.fromkeys(table, table["enc"]))
     # Per variant, so after the matmul ceiling's first cuBLAS call (set_deterministic asks for before):
     # cuBLAS keeps the workspace it started with, and two deterministic runs were bit-identical anyway.
     set_deterministic(variant["deterministic"])
@@ -146,6 +156,8 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
         return _run_variant(variant, args, device)
     finally:
         ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED = defaults
+        for table, tiles in zip(tables, default_tiles):
+            table.update(tiles)
         set_deterministic(False)
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -54,36 +55,59 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-# Tile sizes (benchmarked on H100, d_kv 64); env overrides exist for tuning runs only.
-FWD_BLOCK_M = _env_int("T5DS_ATTN_FWD_BM", 64)
-FWD_BLOCK_N = _env_int("T5DS_ATTN_FWD_BN", 64)
-FWD_WARPS = _env_int("T5DS_ATTN_FWD_WARPS", 4)
-FWD_STAGES = _env_int("T5DS_ATTN_FWD_STAGES", 3)
-# dK/dV kernel: BLOCK_N keys per program (its accumulators), BLOCK_M queries per step; dQ kernel:
-# BLOCK_M queries per program, BLOCK_N keys per step. Swept apart (benchmarks/attention_tiles.py);
-# 64 x 64 for both stays the best in the whole model (docs/model.md). The fourth session's
-# T5DS_ATTN_BWD_* variables still set both kernels when the kernel's own are not given.
-def _bwd_env_int(kernel: str, name: str, default: int) -> int:
-    return _env_int(f"T5DS_ATTN_{kernel}_{name}", _env_int(f"T5DS_ATTN_BWD_{name}", default))
+class Tiles(NamedTuple):
+    """Launch settings of one kernel: BLOCK_M query rows and BLOCK_N keys per tile, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
 
 
-DKDV_BLOCK_M = _bwd_env_int("DKDV", "BM", 64)
-DKDV_BLOCK_N = _bwd_env_int("DKDV", "BN", 64)
-DKDV_WARPS = _bwd_env_int("DKDV", "WARPS", 4)
-DKDV_STAGES = _bwd_env_int("DKDV", "STAGES", 3)
-DQ_BLOCK_M = _bwd_env_int("DQ", "BM", 64)
-DQ_BLOCK_N = _bwd_env_int("DQ", "BN", 64)
-DQ_WARPS = _bwd_env_int("DQ", "WARPS", 4)
-DQ_STAGES = _bwd_env_int("DQ", "STAGES", 3)
-# dQ from the stored dS (DQ_PATH "stored*"): a streaming GEMM, BLOCK_M queries per program.
-DQDS_BLOCK_M = _bwd_env_int("DQDS", "BM", 64)
-DQDS_BLOCK_N = _bwd_env_int("DQDS", "BN", 64)
-DQDS_WARPS = _bwd_env_int("DQDS", "WARPS", 4)
-DQDS_STAGES = _bwd_env_int("DQDS", "STAGES", 3)
-DBIAS_BLOCK_M = _env_int("T5DS_ATTN_DBIAS_BM", 64)
-DBIAS_BLOCK_N = _env_int("T5DS_ATTN_DBIAS_BN", 64)
-DBIAS_WARPS = _env_int("T5DS_ATTN_DBIAS_WARPS", 4)
-DBIAS_STAGES = _env_int("T5DS_ATTN_DBIAS_STAGES", 2)
+# What an attention's tiles are chosen by: its kind, named after T5's three attentions ("enc" =
+# bidirectional with a bias, the encoder's self-attention; "dec" = causal, the decoder's; "cross" =
+# neither, the cross-attention), and whether its queries are short (at most SHORT_QUERIES rows, as
+# T5's 114 pre-training targets are in the decoder and the cross-attention): "dec-short", ...
+KINDS = ("enc", "dec", "cross")
+SHORT_QUERIES = 128
+TILE_CLASSES = (*KINDS, *(f"{kind}-short" for kind in KINDS))
+
+
+def tile_class(causal: bool, has_bias: bool, queries: int) -> str:
+    """The key (in TILE_CLASSES) of the tiles an attention with this many query rows runs with."""
+    kind = "dec" if causal else "enc" if has_bias else "cross"
+    return f"{kind}-short" if queries <= SHORT_QUERIES else kind
+
+
+def _tiles(kernel: str, block_m: int, block_n: int, warps: int, stages: int) -> Tiles:
+    """Tiles with the environment's overrides for tuning runs, which set the kernel's tiles for every
+    class: T5DS_ATTN_{kernel}_BM / _BN / _WARPS / _STAGES, and for the backward's kernels the fourth
+    session's T5DS_ATTN_BWD_* (all of them at once)."""
+    names, values = ("BM", "BN", "WARPS", "STAGES"), (block_m, block_n, warps, stages)
+    if kernel in ("DKDV", "DQ", "DQDS"):
+        values = tuple(_env_int(f"T5DS_ATTN_BWD_{name}", value) for name, value in zip(names, values))
+    return Tiles(*(_env_int(f"T5DS_ATTN_{kernel}_{name}", value) for name, value in zip(names, values)))
+
+
+# Tiles per kernel and class (benchmarked on an H100 at d_kv 64 with benchmarks/attention_tiles.py,
+# each kernel swept alone at each class's shape; docs/model.md). The forward: BLOCK_M queries per
+# program, BLOCK_N keys per step. dK/dV kernel: BLOCK_N keys per program (its accumulators),
+# BLOCK_M queries per step; 64 x 64 with 3 stages is the encoder's best with the dS store; short
+# queries give each program only 2 query blocks of 64 to walk, and there the decoder runs best in
+# 32 x 32 tiles and the cross-attention (no dS store) with 128 keys per program (-0.024 and -0.054
+# ms a layer at 114 queries); the cross-attention with long queries runs best with 2 stages (512 x
+# 512: 1.01 against 1.08 ms for the backward). dQ kernel: BLOCK_M queries per program, BLOCK_N keys
+# per step. dQ from the stored dS (DQ_PATH "stored*"): a streaming GEMM, BLOCK_M queries per program.
+FWD_TILES = dict.fromkeys(TILE_CLASSES, _tiles("FWD", 64, 64, 4, 3))
+DKDV_TILES = {
+    **dict.fromkeys(("enc", "enc-short", "dec"), _tiles("DKDV", 64, 64, 4, 3)),
+    "dec-short": _tiles("DKDV", 32, 32, 4, 2),
+    "cross": _tiles("DKDV", 64, 64, 4, 2),
+    "cross-short": _tiles("DKDV", 32, 128, 4, 3),
+}
+DQ_TILES = dict.fromkeys(TILE_CLASSES, _tiles("DQ", 64, 64, 4, 3))
+DQDS_TILES = dict.fromkeys(TILE_CLASSES, _tiles("DQDS", 64, 64, 4, 3))
+DBIAS_TILES = _tiles("DBIAS", 64, 64, 4, 2)  # the dbias kernel (DBIAS_PATH "kernel"), every class
 # The stored dS's sum over the batch: BLOCK elements of one batch element per program, BLOCK_B batch
 # elements per step.
 DS_SUM_BLOCK = _env_int("T5DS_ATTN_DS_SUM_BLOCK", 1024)
@@ -133,9 +157,9 @@ def _kernel_bias(bias: torch.Tensor) -> torch.Tensor:
     return bias if bias.numel() == 0 else (bias * _LOG2E).contiguous()
 
 
-def _even(SQ: int, SK: int, block_m: int, block_n: int) -> dict:
+def _even(SQ: int, SK: int, tiles: Tiles) -> dict:
     """Whether the query / key lengths are whole tiles: the kernels then skip their bounds masks."""
-    return dict(EVEN_M=SQ % block_m == 0, EVEN_N=SK % block_n == 0)
+    return dict(EVEN_M=SQ % tiles.block_m == 0, EVEN_N=SK % tiles.block_n == 0)
 
 
 def _layout(q_src: torch.Tensor, kv_src: torch.Tensor, heads: int) -> tuple[torch.Tensor, int, int, int]:
@@ -157,12 +181,12 @@ def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: in
     lse = torch.empty((2, B, H, SQ), dtype=torch.float32, device=q_src.device)  # row max (base 2), 1/row sum
     flags = _flags(q_src, bias, key_mask, far, "fwd")
     kbias = _kernel_bias(bias)
-    grid = (triton.cdiv(SQ, FWD_BLOCK_M), B * H)
+    t = FWD_TILES[tile_class(causal, flags["HAS_BIAS"], SQ)]
+    grid = (triton.cdiv(SQ, t.block_m), B * H)
     wrap(_fwd_kernel)[grid](
         q_src, kv, kbias, key_mask, out, lse, *q_src.stride()[:2], *kv.stride()[:2], *out.stride()[:2], k_off, v_off,
         H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D,
-        BLOCK_M=FWD_BLOCK_M, BLOCK_N=FWD_BLOCK_N, num_warps=FWD_WARPS, num_stages=FWD_STAGES,
-        **_even(SQ, SK, FWD_BLOCK_M, FWD_BLOCK_N),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
     )  # fmt: skip
     return out, lse
 
@@ -242,25 +266,27 @@ def _launch_bwd(
         dout, out, delta, *dout.stride()[:2], *out.stride()[:2], H, SQ, D=D, BLOCK_M=DELTA_BLOCK_M,
         EVEN_M=SQ % DELTA_BLOCK_M == 0, num_warps=4,
     )  # fmt: skip
+    key = tile_class(causal, flags["HAS_BIAS"], SQ)
     if not dq_from_ds:
-        wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, DQ_BLOCK_M), B * H)](
+        t = DQ_TILES[key]
+        wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, t.block_m), B * H)](
             q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
             H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode, D=D,
-            BLOCK_M=DQ_BLOCK_M, BLOCK_N=DQ_BLOCK_N, num_warps=DQ_WARPS, num_stages=DQ_STAGES,
-            **_even(SQ, SK, DQ_BLOCK_M, DQ_BLOCK_N),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
-    wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, DKDV_BLOCK_N), B * H)](
+    t = DKDV_TILES[key]
+    wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, t.block_n), B * H)](
         q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
         H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal,
         STORE_DS=dq_from_ds, D=D,
-        BLOCK_M=DKDV_BLOCK_M, BLOCK_N=DKDV_BLOCK_N, num_warps=DKDV_WARPS, num_stages=DKDV_STAGES,
-        **_even(SQ, SK, DKDV_BLOCK_M, DKDV_BLOCK_N),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
     )  # fmt: skip
     if dq_from_ds:
-        wrap(_bwd_dq_from_ds_kernel)[(triton.cdiv(SQ, DQDS_BLOCK_M), B * H)](
+        t = DQDS_TILES[key]
+        wrap(_bwd_dq_from_ds_kernel)[(triton.cdiv(SQ, t.block_m), B * H)](
             ds, kv, dq_src, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ,
-            CAUSAL=causal, IEEE=flags["IEEE"], D=D, BLOCK_M=DQDS_BLOCK_M, BLOCK_N=DQDS_BLOCK_N,
-            num_warps=DQDS_WARPS, num_stages=DQDS_STAGES, **_even(SQ, SK, DQDS_BLOCK_M, DQDS_BLOCK_N),
+            CAUSAL=causal, IEEE=flags["IEEE"], D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
@@ -270,12 +296,12 @@ def _launch_bwd(
         dbias = ds
     else:
         dbias = torch.empty((H, SQ, SK), dtype=torch.float32, device=q_src.device)
-        grid = (triton.cdiv(SQ, DBIAS_BLOCK_M), triton.cdiv(SK, DBIAS_BLOCK_N), H)
+        t = DBIAS_TILES
+        grid = (triton.cdiv(SQ, t.block_m), triton.cdiv(SK, t.block_n), H)
         wrap(_bwd_dbias_kernel)[grid](
             q_src, kv, kbias, key_mask, dout, lse, delta, dbias, *strides, k_off, v_off,
             B, H, SQ, SK, SK - SQ, B * H * SQ, HAS_MASK=flags["HAS_MASK"], CAUSAL=causal, IEEE=flags["IEEE"], D=D,
-            BLOCK_M=DBIAS_BLOCK_M, BLOCK_N=DBIAS_BLOCK_N, num_warps=DBIAS_WARPS, num_stages=DBIAS_STAGES,
-            **_even(SQ, SK, DBIAS_BLOCK_M, DBIAS_BLOCK_N),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
     return dq_src, dkv_src, dbias
 
