@@ -8,8 +8,9 @@ the others at their defaults: the forward, the dK/dV kernel and the dQ kernel, o
 backward takes dQ from the dS that the dK/dV kernel stores, the kernel that computes dQ = dS K
 (`dqds`). Prints the GPU time per call (the profiler's device time of every kernel of the call,
 averaged over `--iters` calls, so launch gaps at the small shapes do not count) and the attention
-TFLOP/s of each configuration, best first, and the winner as environment variables. The settings
-a shape runs with by default are triton_attention's tiles for that shape (`tiles_for`).
+TFLOP/s of each configuration, best first, and the winner as environment variables. The swept
+entry, and the default it is compared with, is the tiles of the shape's class
+(triton_attention.tile_class: the kind of attention, and whether its queries are short).
 
     python benchmarks/attention_tiles.py                    # encoder, batch 128, the full sweep
     python benchmarks/attention_tiles.py --shape dec --kernels dkdv,dqds
