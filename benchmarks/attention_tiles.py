@@ -34,7 +34,7 @@ from benchmarks.attention_backends import SHAPES, Case  # noqa: E402
 from benchmarks.cuda_timing import kernel_ms  # noqa: E402
 from training.model import triton_attention as ta  # noqa: E402
 
-SWEEPS = {  # kernel -> (prefix of its tiles in triton_attention, BLOCK_M, BLOCK_N, warps, stages values)
+SWEEPS = {  # kernel -> (its key in triton_attention.TILE_TABLES, BLOCK_M, BLOCK_N, warps, stages values)
     "fwd": ("FWD", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
     "dkdv": ("DKDV", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
     "dq": ("DQ", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
@@ -58,7 +58,7 @@ def sweep(kernel: str, case: Case, args: argparse.Namespace) -> list[tuple[float
             ta._launch_bwd(case.q_src, case.kv_src, case.bias, mask, out, lse, case.dout, case.causal, case.h,
                            case.far)  # fmt: skip
 
-    table, key = getattr(ta, f"{prefix}_TILES"), ta.tile_class(case.causal, case.bias.numel() > 0, case.sq)
+    table, key = ta.TILE_TABLES[prefix], ta.tile_class(case.causal, case.bias.numel() > 0, case.sq)
     default = table[key]
     rows = []
     for tiles in itertools.starmap(ta.Tiles, itertools.product(block_ms, block_ns, warps_list, stages_list)):

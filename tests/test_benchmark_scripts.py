@@ -152,7 +152,7 @@ def test_enctiles_runs_every_attention_with_the_encoders_tiles_and_restores_them
 
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
-    tables = {"FWD": ta.FWD_TILES, "DKDV": ta.DKDV_TILES, "DQ": ta.DQ_TILES, "DQDS": ta.DQDS_TILES}
+    tables = ta.TILE_TABLES
     before = {name: dict(table) for name, table in tables.items()}
     seen = []
 

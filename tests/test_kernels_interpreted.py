@@ -66,7 +66,7 @@ def test_tile_variables_set_a_kernels_tiles_for_every_class():
     attention (tuning runs), the rest of each class's tiles staying its own; the backward's kernels also take
     T5DS_ATTN_BWD_*, which their own variables override. No triton needed."""
     code = ("import json; from training.model import triton_attention as ta; "
-            "print(json.dumps({n: getattr(ta, n + '_TILES') for n in ('FWD', 'DKDV', 'DQ', 'DQDS')}))")  # fmt: skip
+            "print(json.dumps(ta.TILE_TABLES))")  # fmt: skip
     default = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                                         check=True).stdout)  # fmt: skip
     env = dict(os.environ, T5DS_ATTN_DKDV_BN="16", T5DS_ATTN_BWD_WARPS="8", T5DS_ATTN_DQ_WARPS="2",
@@ -74,6 +74,7 @@ def test_tile_variables_set_a_kernels_tiles_for_every_class():
     tuned = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                                       check=True).stdout)  # fmt: skip
     classes = {"enc", "dec", "cross", "enc-short", "dec-short", "cross-short"}
+    assert set(default) == {"FWD", "DKDV", "DQ", "DQDS"}
     assert all(set(default[kernel]) == classes for kernel in default)
     for key, (bm, _, _, stages) in default["DKDV"].items():
         assert tuned["DKDV"][key] == [bm, 16, 8, stages]

@@ -141,7 +141,7 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import triton_gated_gelu
 
     defaults = ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED
-    tables = (ta.FWD_TILES, ta.DKDV_TILES, ta.DQ_TILES, ta.DQDS_TILES)
+    tables = ta.TILE_TABLES.values()
     default_tiles = [dict(table) for table in tables]
     ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
     ta.FAR_TILES = variant["far_tiles"]

@@ -107,6 +107,8 @@ DKDV_TILES = {
 }
 DQ_TILES = dict.fromkeys(TILE_CLASSES, _tiles("DQ", 64, 64, 4, 3))
 DQDS_TILES = dict.fromkeys(TILE_CLASSES, _tiles("DQDS", 64, 64, 4, 3))
+# The tables by kernel, for what sets or sweeps them all (the benchmark's `enctiles`, attention_tiles.py)
+TILE_TABLES = {"FWD": FWD_TILES, "DKDV": DKDV_TILES, "DQ": DQ_TILES, "DQDS": DQDS_TILES}
 DBIAS_TILES = _tiles("DBIAS", 64, 64, 4, 2)  # the dbias kernel (DBIAS_PATH "kernel"), every class
 # The stored dS's sum over the batch: BLOCK elements of one batch element per program, BLOCK_B batch
 # elements per step.
