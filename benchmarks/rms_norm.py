@@ -12,6 +12,9 @@ from later layers) to those of h, o and w. Implementations:
 - `torch`: the model's ops, eager (one kernel per op).
 - `inductor`: the same function under torch.compile, one fused kernel each way, as in the compiled
   training step (where inductor may also fuse it with its neighbours).
+- `triton`: the model's own kernels on CUDA (training/model/triton_add_norm.py): the add and the
+  norm in one kernel each way, the backward writing the residual's gradient and its bf16 cast (the
+  gradient of o) in one pass.
 - `liger`: liger-kernel's Triton kernels (`pip install liger-kernel`; not a dependency of this repo)
   in the mode that matches T5 (`casting_mode="gemma"`: fp32 statistics and product, one rounding to
   the output dtype). With a bf16 residual, its fused add + RMS norm; with an fp32 one, torch's add,
@@ -27,7 +30,7 @@ error against `torch`. Then what the norms of one T5 step would take at each imp
 each stack's final norm).
 
     python benchmarks/rms_norm.py                           # T5 base shapes, batch 128, 512 -> 114
-    python benchmarks/rms_norm.py --rows 14592 --impls torch,inductor
+    python benchmarks/rms_norm.py --rows 14592 --impls torch,inductor,triton
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from benchmarks.cuda_timing import kernel_ms  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
 from training.model.t5 import rms_norm  # noqa: E402
 
-IMPLS = ("torch", "inductor", "liger")
+IMPLS = ("torch", "inductor", "triton", "liger")
 RESIDUALS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EPS = 1e-6
 
@@ -101,12 +104,20 @@ class Case:
         return fwd, fwd_bwd, [t.detach() for t in fwd_bwd()]
 
 
+def triton_add_norm(h: torch.Tensor, o: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm` through the model's kernels (y written in bf16, as before a linear under autocast)."""
+    from training.model.triton_add_norm import add_rms_norm
+
+    s, y = add_rms_norm(h, o, w, EPS, torch.bfloat16)
+    return y, s
+
+
 def implementation(name: str):
     if name == "torch":
         return add_norm
     if name == "inductor":
         return torch.compile(add_norm)
-    return liger_add_norm
+    return triton_add_norm if name == "triton" else liger_add_norm
 
 
 def copy_gbps(iters: int) -> float:

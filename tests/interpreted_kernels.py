@@ -1,8 +1,8 @@
 """The Triton kernels run by Triton's CPU interpreter, against torch's math: the attention kernels
 (with and without the bias, padding and causal masks, packed and separate sources, the three
-bias-gradient paths, dQ recomputed or from the stored dS, far tiles), the gated-GELU kernels, and a
-tiny T5 whose attention runs through the attention kernels (the model uses the GELU kernels on
-CUDA tensors only).
+bias-gradient paths, dQ recomputed or from the stored dS, far tiles), the gated-GELU kernels, the
+residual add + RMS norm kernels, and a tiny T5 whose attention runs through the attention kernels
+(the model uses the GELU and the add + norm kernels on CUDA tensors only).
 
 Run by tests/test_kernels_interpreted.py in a subprocess, because TRITON_INTERPRET and the tile
 sizes must be set before the kernel modules are imported:
@@ -22,6 +22,7 @@ import os
 import torch
 
 from training.model import T5Config, T5ForConditionalGeneration
+from training.model import triton_add_norm as tn
 from training.model import triton_attention as ta
 from training.model import triton_gated_gelu as tg
 from training.model.attention import (
@@ -217,6 +218,45 @@ def check_gated_gelu() -> None:
             _check(f"gated GELU {tuple(shape)} F={f} {dtype} backward", tg._launch_bwd(h, dout), hr.grad, tol)
 
 
+def check_add_rms_norm() -> None:
+    """The residual add + RMS norm kernels against torch's autograd of `h + out, rms_norm(h + out)`:
+    the fp32 residual with a bf16 sublayer output (the model under autocast: y written in bf16, the
+    output's gradient cast), all fp32, the bf16 residual, a bf16 weight (DeepSpeed's bf16 mode), and
+    no gradient from a later add (the stack's final norm). 100 columns: a partial column block; 13
+    rows: a partial row block and programs that walk several blocks."""
+    cases = [  # h, out, weight, y dtypes; tolerance
+        (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, 1e-2),
+        (torch.float32, torch.float32, torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, 2e-2),
+        (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16, 2e-2),
+    ]
+    for shape in [(13, 100), (2, 3, 48)]:
+        for h_dtype, out_dtype, w_dtype, y_dtype, tol in cases:
+            for with_dres in (True, False):
+                h, out = (3 * torch.randn(shape)).to(h_dtype), torch.randn(shape).to(out_dtype)
+                weight = (1 + 0.1 * torch.randn(shape[-1])).to(w_dtype)
+                h_ref, out_ref, w_ref = (t.clone().requires_grad_() for t in (h, out, weight))
+                h_new_ref, y_ref = tn.add_rms_norm_reference(h_ref, out_ref, w_ref, 1e-6, y_dtype)
+                dy, dres = torch.randn(shape).to(y_dtype), torch.randn(shape).to(h_new_ref.dtype)
+                loss = (y_ref.float() * dy.float()).sum()
+                if with_dres:
+                    loss = loss + (h_new_ref.float() * dres.float()).sum()
+                loss.backward()
+                h_new, y, rstd = tn._launch_fwd(h, out, weight, 1e-6, y_dtype)
+                dh, dout, dw = tn._launch_bwd(dy, dres if with_dres else None, h_new, weight, rstd, out_dtype)
+                dout = dout if dout.numel() else dh
+                tag = f"add + RMS norm {shape} h {h_dtype}, out {out_dtype}, weight {w_dtype}" + (
+                    "" if with_dres else ", no later add"
+                )
+                assert h_new.dtype == h_new_ref.dtype and y.dtype == y_dtype, tag
+                assert dh.dtype == h_new.dtype and dout.dtype == out_dtype and dw.dtype == w_dtype, tag
+                _check(f"{tag}: h + out", h_new, h_new_ref, tol)
+                _check(f"{tag}: y", y, y_ref, tol)
+                _check(f"{tag}: dh", dh, h_ref.grad, tol)
+                _check(f"{tag}: dout", dout, out_ref.grad, tol)
+                _check(f"{tag}: dweight", dw, w_ref.grad, tol)
+
+
 def check_ffn_epilogue() -> None:
     """benchmarks/ffn_epilogue.py's GEMMs with the gated GELU in their epilogues (pointer loads and
     TMA descriptors) against the unfused FFN: h = x [W0; W1]^T, gelu_tanh(gate) * lin, and the
@@ -301,6 +341,7 @@ def main() -> None:
     check_far_tiles()
     check_ds_batch_sum()
     check_gated_gelu()
+    check_add_rms_norm()
     check_ffn_epilogue()
     check_model()
     print("ALL KERNEL CHECKS PASSED")

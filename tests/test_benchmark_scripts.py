@@ -111,13 +111,14 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles", args)  # fmt: skip
+                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm", args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True,
-                     tiles_per_class=False)  # fmt: skip
+                     tiles_per_class=False, triton_add_norm=False)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
+    assert default["triton_add_norm"]
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
     assert default["tiles_per_class"] and parse_variant("enctiles,classtiles", args)["tiles_per_class"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
@@ -128,7 +129,7 @@ def test_model_benchmark_variant_items_parse():
         parse_variant("fartiles=", args)
     # every item that changes the kernels, optimizer or dtypes shows in the printed row's label
     labels = {item: variant_label(parse_variant(item, args)) for item in
-              ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "fartiles", "fartiles=dq",
+              ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "torchnorm", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic", "enctiles",
                "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel",
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
@@ -287,3 +288,47 @@ def test_sni_generation_benchmark_runs_on_cpu_greedy_and_beam():
         assert [row["batch_size"] for row in rows] == [3, 6]
         assert all(row["num_beams"] == beams and row["instances"] == 6 and row["seconds"] > 0 for row in rows)
         assert all(row["cuda_graph"] == (graph == "--cuda-graph") for row in rows)
+
+
+def test_trace_gaps_finds_idle_stretches_and_host_bound_launches(tmp_path, capsys):
+    """benchmarks/trace_gaps.py on a hand-made chrome trace: a step's window runs from the first
+    kernel launched inside its host range to the next step's first kernel; overlapping work merges
+    into one busy stretch; a gap is host-bound only when its next kernel was launched after the GPU
+    went idle."""
+    from benchmarks.trace_gaps import idle_gaps, main, step_windows
+
+    def x(cat, name, ts, dur, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {} if corr is None else {"correlation": corr}}  # fmt: skip
+
+    events = [
+        x("user_annotation", "benchmark_step", -10, 50), x("user_annotation", "benchmark_step", 60, 40),
+        x("kernel", "a", 0, 10, 1), x("cuda_runtime", "cudaLaunchKernel", -5, 1, 1),
+        x("kernel", "b", 12, 8, 2), x("cuda_runtime", "cudaLaunchKernel", 5, 1, 2),  # queued before a ended
+        x("kernel", "c", 30, 10, 3), x("cuda_driver", "cuLaunchKernel", 25, 1, 3),  # launched while idle
+        x("gpu_memcpy", "copy", 35, 10, 4), x("cuda_runtime", "cudaMemcpyAsync", 26, 1, 4),  # overlaps c
+        x("kernel", "d", 100, 5, 5), x("cuda_runtime", "cudaLaunchKernel", 70, 1, 5),  # second step
+        x("kernel", "e", 114, 6, 6), x("cuda_runtime", "cudaLaunchKernel", 80, 1, 6),
+        x("kernel", "z", 300, 5, 7), x("cuda_runtime", "cudaLaunchKernel", 200, 1, 7),  # outside every step
+        x("cpu_op", "aten::mm", 0, 200),  # host work is not GPU time
+    ]  # fmt: skip
+    trace = {"traceEvents": events}
+    # step 0 ends where step 1's first kernel starts (idle between steps counts), step 1 at its last
+    assert step_windows(trace) == [(0.0, 100.0), (100.0, 120.0)]
+    busy, gaps = idle_gaps(trace, (0.0, 100.0))
+    assert busy == 33.0
+    assert [(g.start_us, g.length_us, g.before, g.after, g.host_bound) for g in gaps] == [
+        (10.0, 2.0, "a", "b", False), (20.0, 10.0, "b", "c", True)]  # fmt: skip
+    assert [g.length_us for g in idle_gaps(trace, (0.0, 100.0), min_us=5)[1]] == [10.0]
+    busy, gaps = idle_gaps(trace, (100.0, 120.0))
+    assert busy == 11.0 and [(g.length_us, g.host_bound) for g in gaps] == [(9.0, False)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    main([str(path), "--min-us", "5"])
+    printed = capsys.readouterr().out
+    assert "| 0 | 0.10 | 0.03 | 0.07 | 0.01 | 1 |" in printed and "| 1 | 0.02 | 0.01 | 0.01 | 0.00 | 1 |" in printed
+    assert "| 10.0 | yes | b | c |" in printed and "| 9.0 | no | d | e |" in printed
+    with pytest.raises(SystemExit, match="--trace FILE"):
+        main([str(tmp_path / "missing.json")])
+    path.write_text(json.dumps({"traceEvents": [x("cpu_op", "aten::mm", 0, 10)]}))
+    with pytest.raises(SystemExit, match="no GPU kernels"):
+        main([str(path)])

@@ -497,7 +497,7 @@ def test_residual_dtype_autocast_keeps_bf16_hidden_states_under_autocast_only():
     y = torch.randint(2, 1000, (2, 5))
     seen = []
     for block in [*fast.encoder.block, *fast.decoder.block]:
-        block.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+        block.register_forward_hook(lambda m, args, out: seen.append(out[0].dtype))  # (h, FFN output)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss_fast = fast(x, labels=y).loss
         loss_ref = ref(x, labels=y).loss

@@ -1,9 +1,11 @@
-"""The fused Triton kernels (attention, gated GELU) against torch's ops on a GPU (skipped without CUDA)."""
+"""The fused Triton kernels (attention, gated GELU, residual add + RMS norm) against torch's ops on a
+GPU (skipped without CUDA)."""
 
 import pytest
 import torch
 
 from training.model import T5Config, T5ForConditionalGeneration
+from training.model import triton_add_norm as tn
 from training.model import triton_attention as ta
 from training.model import triton_gated_gelu as tg
 from training.model.attention import _math_attention
@@ -114,7 +116,7 @@ def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(dq_
         for m in model.modules():
             if hasattr(m, "backend"):
                 m.backend = backend
-        tg.ENABLED = backend == "triton"  # the reference runs torch's gated GELU too
+        tg.ENABLED = tn.ENABLED = backend == "triton"  # the reference runs torch's GELU and norms too
         model.zero_grad()
         fn = lambda: model(ids, labels=labels, attention_mask=am, decoder_attention_mask=dm).loss  # noqa: E731
         loss = torch.compile(fn, fullgraph=True)() if compiled else fn()
@@ -125,7 +127,7 @@ def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(dq_
         ref_loss, ref_grads = run("math")
         results = [run("triton", compiled) for compiled in (False, True)]
     finally:
-        tg.ENABLED = True
+        tg.ENABLED = tn.ENABLED = True
     for loss, grads in results:
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-4)
         for name, g in grads.items():
@@ -154,6 +156,51 @@ def test_gated_gelu_kernel_matches_torch(dtype, compiled):
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
         torch.testing.assert_close(out.float(), ref, **tol)
         torch.testing.assert_close(dh.float(), ref_dh, **tol)
+
+
+# (h, out, weight, y) dtypes: the model under autocast (fp32 residual, bf16 sublayer output, y for a
+# linear), all fp32, the bf16 residual, bf16 weights (DeepSpeed's bf16 mode)
+ADD_NORM_DTYPES = [
+    (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16),
+    (torch.float32, torch.float32, torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16),
+    (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("dtypes", ADD_NORM_DTYPES, ids=["autocast", "fp32", "bf16residual", "bf16weight"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_add_rms_norm_kernel_matches_torch(dtypes, compiled):
+    """(h + out, rms_norm(h + out)) and the gradients of h, out and the weight, against torch's
+    autograd of the same ops on the same inputs; T5-base's 768 columns (a partial 1024 block) and an
+    odd width, with and without a gradient from a later add."""
+    h_dtype, out_dtype, w_dtype, y_dtype = dtypes
+    for shape in ((3, 37, 768), (1000, 200)):
+        for with_dres in (True, False):
+            g = torch.Generator(device="cuda").manual_seed(shape[-1])
+            h = (3 * torch.randn(shape, device="cuda", generator=g)).to(h_dtype).requires_grad_()
+            out = torch.randn(shape, device="cuda", generator=g).to(out_dtype).requires_grad_()
+            w = (1 + 0.1 * torch.randn(shape[-1], device="cuda", generator=g)).to(w_dtype).requires_grad_()
+            assert tn.kernel_applies(h)
+            fn = torch.compile(tn.add_rms_norm, fullgraph=True) if compiled else tn.add_rms_norm
+            results = []
+            for f in (fn, tn.add_rms_norm_reference):
+                h_new, y = f(h, out, w, 1e-6, y_dtype)
+                dy = torch.randn(shape, device="cuda", generator=g.manual_seed(1)).to(y.dtype)
+                grads_out = [y, h_new] if with_dres else [y]
+                dres = [torch.randn(shape, device="cuda", generator=g).to(h_new.dtype)] if with_dres else []
+                grads = torch.autograd.grad(grads_out, [h, out, w], [dy, *dres])
+                results.append((h_new, y, *grads))
+            for name, got, ref in zip(("h + out", "y", "dh", "dout", "dweight"), *results):
+                assert got.dtype == ref.dtype, name
+                exact = got.dtype == torch.float32 and w_dtype == torch.float32
+                # bf16: errors of the largest value's rounding (the reference rounds each product
+                # of a bf16 weight's gradient to bf16 before summing; the kernel sums in fp32)
+                largest = float(ref.abs().max())
+                tol = (
+                    dict(rtol=1e-5, atol=1e-5 * largest) if exact else dict(rtol=1.6e-2, atol=1e-2 * largest)
+                )
+                torch.testing.assert_close(got, ref, **tol, msg=lambda m, n=f"{name} {shape}": f"{n}: {m}")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])

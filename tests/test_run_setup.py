@@ -9,9 +9,15 @@ from training.config import load_run_config
 from training.run_setup import compile_forward, start_engine
 
 
-@pytest.mark.parametrize("mode, expected", [("default", None), ("reduce-overhead", "reduce-overhead"),
-                                            ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs")])
-def test_compile_forward_passes_the_mode(monkeypatch, mode, expected):
+@pytest.mark.parametrize("mode, expected", [("default", {}), ("reduce-overhead", {"triton.cudagraphs": True}),
+                                            ("max-autotune-no-cudagraphs", {"max_autotune": True})])  # fmt: skip
+def test_compile_forward_passes_the_mode_and_the_model_inductor_options(monkeypatch, mode, expected):
+    """The mode's inductor options (torch.compile takes a mode or options, not both) plus the model's
+    own, every one an inductor setting this torch knows (torch.compile would refuse another)."""
+    import torch._inductor.config as inductor_config
+
+    from training.run_setup import MODEL_INDUCTOR_OPTIONS
+
     calls = []
 
     def fake_compile(fn, **kwargs):
@@ -21,7 +27,12 @@ def test_compile_forward_passes_the_mode(monkeypatch, mode, expected):
     monkeypatch.setattr(torch, "compile", fake_compile)
     model = torch.nn.Linear(2, 2)
     compile_forward(model, mode)
-    assert calls == [dict(fullgraph=True, mode=expected)]
+    assert len(calls) == 1 and calls[0]["fullgraph"] is True and "mode" not in calls[0]
+    options = calls[0]["options"]
+    assert options.items() >= expected.items() and options.items() >= MODEL_INDUCTOR_OPTIONS.items()
+    assert MODEL_INDUCTOR_OPTIONS["reorder_for_peak_memory"] is False
+    known = inductor_config.get_config_copy()
+    assert all(key in known for key in options), sorted(set(options) - set(known))
 
 
 def test_a_compile_mode_under_zero3_is_refused_before_the_engine_starts(tmp_path):

@@ -9,6 +9,7 @@ back to back on the host clock, as a training loop runs them (compare it with th
     python -m training.benchmark                                  # base, batch 128, 512 -> 114, all fast paths
     python -m training.benchmark --attention sdpa --no-fused-ce
     python -m training.benchmark --variants "triton;sdpa;triton,nocompile;triton,bs=256"
+    python -m training.benchmark --trace step.json && python benchmarks/trace_gaps.py step.json
 
 A variant is a comma list of: an attention backend (triton|cudnn|sdpa|flex|math), compile|nocompile,
 fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), dbiaskernel|dbiasatomic (the fused kernel's
@@ -20,7 +21,8 @@ recomputed from P and dP, or computed from the dS that the dK/dV kernel stores, 
 in those with a bias; triton_attention.DQ_PATH), optcompiled|opteager
 (AdamWScale's update compiled or foreach kernels), bf16residual|fp32residual (T5Config.residual_dtype
 "autocast" or "float32"), torchgelu (the gated GELU as torch ops for inductor to fuse instead of
-training/model/triton_gated_gelu.py), fartiles | fartiles=fwd+dq+dkdv | nofartiles (tiles wholly
+training/model/triton_gated_gelu.py), torchnorm (each residual add and the RMS norm after it as torch
+ops for inductor to fuse, instead of training/model/triton_add_norm.py), fartiles | fartiles=fwd+dq+dkdv | nofartiles (tiles wholly
 beyond the distance where T5's bias saturates skip their bias loads, in every attention kernel, in
 the ones named, or in none; triton_attention.FAR_TILES), clipinstep|clipbefore (AdamWScale clips the
 gradients inside its step, as training runs at ZeRO 0 do, or torch's clip_grad_norm_ runs before the
@@ -40,6 +42,7 @@ import gc
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -48,6 +51,7 @@ from training.grad_clip import GradClip
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model.config import RESIDUAL_DTYPES
 from training.model.flops import measure_matmul_tflops, model_flops_per_step
+from training.run_setup import compile_options
 
 
 def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -> torch.optim.Optimizer:
@@ -68,7 +72,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
-        deterministic=False, tiles_per_class=True,
+        deterministic=False, tiles_per_class=True, triton_add_norm=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -91,6 +95,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["opt_compiled"] = item == "optcompiled"
         elif item == "torchgelu":
             variant["triton_gelu"] = False
+        elif item == "torchnorm":
+            variant["triton_add_norm"] = False
         elif item == "nofartiles":
             variant["far_tiles"] = ()
         elif item == "fartiles" or item.startswith("fartiles="):
@@ -129,6 +135,7 @@ def variant_label(v: dict) -> str:
     notes += ["opt compiled"] if v["opt_compiled"] else []
     notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
     notes += [] if v["triton_gelu"] else ["torch GELU"]
+    notes += [] if v["triton_add_norm"] else ["torch add + norm"]
     notes += [f"far tiles {'+'.join(v['far_tiles'])}" if v["far_tiles"] else "no far tiles"]
     notes += [] if v["clip_in_step"] else ["clip before step"]
     notes += ["deterministic"] if v["deterministic"] else []
@@ -137,15 +144,16 @@ def variant_label(v: dict) -> str:
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    from training.model import triton_add_norm, triton_gated_gelu
     from training.model import triton_attention as ta
-    from training.model import triton_gated_gelu
 
-    defaults = ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED
+    defaults = ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED, triton_add_norm.ENABLED
     tables = ta.TILE_TABLES.values()
     default_tiles = [dict(table) for table in tables]
     ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
     ta.FAR_TILES = variant["far_tiles"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
+    triton_add_norm.ENABLED = variant["triton_add_norm"]
     if not variant["tiles_per_class"]:  # the encoder's tiles everywhere, as before the sixteenth session
         for table in tables:
             table.update(dict.fromkeys(table, table["enc"]))
@@ -155,7 +163,7 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     try:
         return _run_variant(variant, args, device)
     finally:
-        ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED = defaults
+        ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED, triton_add_norm.ENABLED = defaults
         for table, tiles in zip(tables, default_tiles):
             table.update(tiles)
         set_deterministic(False)
@@ -178,7 +186,8 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         return model(ids, labels=lab, return_logits=return_logits).loss
 
     if variant["compile"]:
-        loss_fn = torch.compile(loss_fn, mode=variant["mode"] or None, fullgraph=args.fullgraph)
+        options = compile_options(variant["mode"] or "default")  # as training compiles the model
+        loss_fn = torch.compile(loss_fn, fullgraph=args.fullgraph, options=options)
 
     # Clipping as the training loop does it at ZeRO 0: inside AdamWScale's step, or (clipbefore, or
     # an optimizer without in-step clipping) torch's foreach clip_grad_norm_ before the step.
@@ -218,13 +227,21 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         loss = step()
     torch.cuda.synchronize()
     wall_sec = (time.perf_counter() - wall_start) / args.steps
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+    trace = variant.get("trace", "")
+    if args.profile or trace:
+        from torch.profiler import ProfilerActivity, profile, record_function
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # CPU activity too when a trace is asked for: benchmarks/trace_gaps.py matches each kernel to
+        # its launch to tell host-bound gaps from others; each step is one `benchmark_step` range.
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+        with profile(activities=activities) as prof:
             for _ in range(3):
-                step()
+                with record_function("benchmark_step"):
+                    step()
             torch.cuda.synchronize()
+        if trace:
+            prof.export_chrome_trace(trace)
+    if args.profile:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
         print(table, flush=True)
         if args.profile != "-":
@@ -347,6 +364,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--profile", default="", help="profile 3 steps; print the kernel table (and append to FILE)"
     )
+    parser.add_argument("--trace", default="",
+                        help="profile 3 steps and write their chrome trace to FILE (FILE.<i>.json with several variants); "
+                             "benchmarks/trace_gaps.py reads it")  # fmt: skip
     parser.add_argument(
         "--attention-micro", action="store_true", help="also time the attention kernels alone"
     )
@@ -371,8 +391,12 @@ def main(argv: list[str] | None = None) -> None:
         "| wall s/step | last loss | parameter sum |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for spec in args.variants.split(";") if args.variants else [""]:
+    specs = args.variants.split(";") if args.variants else [""]
+    for i, spec in enumerate(specs):
         variant = parse_variant(spec, args)
+        if args.trace:  # one trace per variant: FILE, or FILE's stem numbered by variant
+            path = Path(args.trace)
+            variant["trace"] = str(path if len(specs) == 1 else path.with_name(f"{path.stem}.{i}{path.suffix}"))
         try:
             r = run_variant(variant, args, device)
         except torch.cuda.OutOfMemoryError:

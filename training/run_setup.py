@@ -96,11 +96,28 @@ def replicated_grad_l2(model: torch.nn.Module) -> float:
     return float(global_grad_norm([p.grad for p in model.parameters() if p.grad is not None]))
 
 
+# Inductor settings the compiled model runs with, on top of those of torch.compile's mode.
+# reorder_for_peak_memory: with the model's own Triton ops in the graph (training/model/
+# triton_add_norm.py), inductor's memory-aware reordering moved the weights' bf16 casts (about 130
+# small kernels) ahead of the forward's first GEMM; after each synchronisation the GPU then waited
+# ~6 ms for the host to launch them. Without it they stay next to their GEMMs, and peak memory was
+# the same (T5 base on an H100, docs/model.md).
+MODEL_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
+
+
+def compile_options(mode: str = "default") -> dict:
+    """torch.compile `options` for the model: those of `mode` plus MODEL_INDUCTOR_OPTIONS (torch.compile
+    takes a mode or options, not both)."""
+    import torch._inductor
+
+    return {**torch._inductor.list_mode_options(mode), **MODEL_INDUCTOR_OPTIONS}  # "default": {}
+
+
 def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:
     """Compile the model's forward only, as one graph (fullgraph: a graph break is an error, not a
-    slowdown), in torch.compile's `mode`; DeepSpeed's module hooks stay outside it. Parameter names
-    are unchanged."""
-    model.forward = torch.compile(model.forward, fullgraph=True, mode=None if mode == "default" else mode)
+    slowdown), in torch.compile's `mode` (with `compile_options`); DeepSpeed's module hooks stay
+    outside it. Parameter names are unchanged."""
+    model.forward = torch.compile(model.forward, fullgraph=True, options=compile_options(mode))
 
 
 def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: dict, out_dir: Path, *, rank: int,

@@ -80,9 +80,11 @@ def _compiled_block_forward(block: torch.nn.Module, backend: str):
     eager = block.forward
     compiled = torch.compile(eager, fullgraph=True, backend=backend)
 
-    def forward(h, bias, key_mask, encoder_hidden_states=None, encoder_key_mask=None, cache=None):
+    def forward(
+        h, bias, key_mask, encoder_hidden_states=None, encoder_key_mask=None, cache=None, pending=None
+    ):
         # A cache grows by one position per decoding step: each length would be a new graph.
         fn = eager if cache is not None else compiled
-        return fn(h, bias, key_mask, encoder_hidden_states, encoder_key_mask, cache)
+        return fn(h, bias, key_mask, encoder_hidden_states, encoder_key_mask, cache, pending)
 
     return forward

@@ -28,6 +28,8 @@ from training.model.attention import (
 )
 from training.model.config import T5Config
 from training.model.cross_entropy import fused_linear_cross_entropy
+from training.model.triton_add_norm import add_rms_norm
+from training.model.triton_add_norm import kernel_applies as add_norm_kernel_applies
 from training.model.triton_gated_gelu import gated_gelu_packed
 
 
@@ -65,8 +67,26 @@ class T5LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm_fn(x, self.weight, self.variance_epsilon)
+    def forward(
+        self, x: torch.Tensor, add: torch.Tensor | None = None, linear_reads_it: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """rms_norm(x); with `add` (a sublayer's output), the residual add first: (x + add, its norm).
+
+        The add and the norm run as one Triton kernel each way on CUDA (triton_add_norm.py).
+        linear_reads_it: a linear layer reads the norm, so under autocast the kernel writes it in
+        the autocast dtype, the dtype the linear would cast it to."""
+        if add is None:
+            return self.norm_fn(x, self.weight, self.variance_epsilon)
+        if add_norm_kernel_applies(x):
+            device = x.device.type
+            y_dtype = (
+                torch.get_autocast_dtype(device)
+                if linear_reads_it and torch.is_autocast_enabled(device)
+                else None
+            )
+            return add_rms_norm(x, add, self.weight, self.variance_epsilon, y_dtype)
+        h = x + add
+        return h, self.norm_fn(h, self.weight, self.variance_epsilon)
 
 
 class T5Attention(nn.Module):
@@ -220,18 +240,25 @@ class T5Block(nn.Module):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_key_mask: torch.Tensor | None = None,
         cache: dict | None = None,
-    ) -> torch.Tensor:
+        pending: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, this block's FFN output). The FFN output is not yet added to h: the next block's
+        first norm adds it, or the stack's final norm (each residual add runs in one kernel with
+        the norm after it). `pending` is the previous block's FFN output (None in block 0)."""
         sa = self.layer[0]
-        h = h + sa.dropout(
-            sa.SelfAttention(
-                sa.layer_norm(h), bias=bias, key_mask=key_mask, causal=self.is_decoder, cache=cache
-            )
+        if pending is None:
+            x = sa.layer_norm(h)
+        else:
+            h, x = sa.layer_norm(h, pending, linear_reads_it=True)
+        out = sa.dropout(
+            sa.SelfAttention(x, bias=bias, key_mask=key_mask, causal=self.is_decoder, cache=cache)
         )
         if self.is_decoder:
             ca = self.layer[1]
-            h = h + ca.dropout(
+            h, x = ca.layer_norm(h, out, linear_reads_it=True)
+            out = ca.dropout(
                 ca.EncDecAttention(
-                    ca.layer_norm(h),
+                    x,
                     kv_input=encoder_hidden_states,
                     key_mask=encoder_key_mask,
                     cache=cache,
@@ -239,7 +266,8 @@ class T5Block(nn.Module):
                 )
             )
         ff = self.layer[-1]
-        return h + ff.dropout(ff.DenseReluDense(ff.layer_norm(h)))
+        h, x = ff.layer_norm(h, out, linear_reads_it=True)
+        return h, ff.dropout(ff.DenseReluDense(x))
 
 
 class T5Stack(nn.Module):
@@ -310,11 +338,20 @@ class T5Stack(nn.Module):
             key_mask = (slots <= past_length).expand(input_ids.shape[0], k_len)
         bias = self.position_bias(q_len, k_len, past_length, input_ids.device)
         enc_mask = None if encoder_attention_mask is None else encoder_attention_mask.to(torch.bool)
+        pending = None  # each block's FFN output, added to h by the next norm (see T5Block.forward)
         for i, block in enumerate(self.block):
-            h = block(
-                h, bias, key_mask, encoder_hidden_states, enc_mask, None if caches is None else caches[i]
+            h, pending = block(
+                h,
+                bias,
+                key_mask,
+                encoder_hidden_states,
+                enc_mask,
+                None if caches is None else caches[i],
+                pending,
             )
-        return self.dropout(self.final_layer_norm(h))
+        return self.dropout(
+            self.final_layer_norm(h) if pending is None else self.final_layer_norm(h, pending)[1]
+        )
 
 
 class T5ForConditionalGeneration(nn.Module):

@@ -1,0 +1,161 @@
+"""Where the GPU sits idle inside a training step: the gaps between kernels in a torch.profiler
+chrome trace, and whether the host launched late (host-bound) or the GPU waited on something else.
+
+    python -m training.benchmark --trace step.json      # profiles 3 steps, writes their trace
+    python benchmarks/trace_gaps.py step.json           # reads it
+
+The benchmark marks each profiled step with a `benchmark_step` range on the host; a step's window
+on the GPU runs from the first kernel launched inside its range to the first of the next step's
+(the whole trace when there are no ranges). A gap is a stretch with no kernel, copy or memset running. It is "host-bound" when the
+kernel after it was launched (its cudaLaunchKernel, matched by correlation id) after the previous
+kernel had ended: the GPU ran out of queued work. Prints the step time, busy and idle time per step,
+the idle time by cause, and the largest gaps with the kernels on either side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel; Triton's cuLaunchKernel
+STEP_ANNOTATION = "benchmark_step"
+
+
+@dataclass(frozen=True)
+class Gap:
+    start_us: float
+    length_us: float
+    before: str  # the kernel that ended last before the gap
+    after: str  # the kernel that starts the next busy stretch
+    host_bound: bool  # that kernel was launched only after the GPU went idle
+
+
+def _events(trace: dict) -> list[dict]:
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+
+def step_windows(trace: dict) -> list[tuple[float, float]]:
+    """(start, end) µs of each step on the GPU's timeline: from the first kernel launched inside the
+    step's `benchmark_step` range on the host to the first kernel of the next step (the last step
+    ends with its last kernel), so the idle time between steps counts too. The profiler's own GPU
+    copy of the range is not used: it covers only part of a step's kernels."""
+    events = _events(trace)
+    ranges = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name") == STEP_ANNOTATION
+    )
+    launches = [
+        (float(e["ts"]), e["args"]["correlation"])
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    ]
+    work = {
+        e["args"]["correlation"]: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e.get("cat") in GPU_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    steps = []
+    for lo, hi in ranges:
+        spans = [work[c] for ts, c in launches if lo <= ts <= hi and c in work]
+        if spans:
+            steps.append((min(a for a, _ in spans), max(b for _, b in spans)))
+    return [(a, steps[i + 1][0] if i + 1 < len(steps) else b) for i, (a, b) in enumerate(steps)]
+
+
+def idle_gaps(trace: dict, window: tuple[float, float], min_us: float = 0.0) -> tuple[float, list[Gap]]:
+    """Busy µs and the idle gaps of at least `min_us` between GPU work inside `window`. Work
+    overlapping the window's edges is clipped to it; the window's own edges are not gaps (a step
+    starts at its first kernel)."""
+    lo, hi = window
+    events = _events(trace)
+    launches = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    work = sorted(
+        (
+            (max(float(e["ts"]), lo), min(float(e["ts"]) + float(e["dur"]), hi), e)
+            for e in events
+            if e.get("cat") in GPU_CATEGORIES
+            and float(e["ts"]) < hi
+            and float(e["ts"]) + float(e["dur"]) > lo
+        ),
+        key=lambda t: t[:2],
+    )
+    busy, gaps = 0.0, []
+    end, last = None, None  # the busy stretch so far ends at `end`, with kernel `last`
+    for start, stop, e in work:
+        if end is not None and start > end:  # idle from `end` to `start`
+            if start - end >= min_us:
+                launched = launches.get(e.get("args", {}).get("correlation"))
+                host_bound = launched is not None and launched > end
+                gaps.append(Gap(end, start - end, last["name"], e["name"], host_bound))
+            end = None
+        if end is None:
+            busy += stop - start
+            end, last = stop, e
+        elif stop > end:
+            busy += stop - end
+            end, last = stop, e
+    return busy, gaps
+
+
+def summarize(trace: dict, top: int = 15, min_us: float = 5.0) -> str:
+    windows = step_windows(trace)
+    if not windows:
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in _events(trace)
+                 if e.get("cat") in GPU_CATEGORIES]  # fmt: skip
+        if not spans:
+            raise SystemExit("no GPU kernels in this trace: was it recorded with ProfilerActivity.CUDA?")
+        windows = [(min(s for s, _ in spans), max(t for _, t in spans))]
+    lines = [
+        f"| step | ms | busy ms | idle ms | host-bound idle ms | gaps >= {min_us:g} µs |",
+        "|---|---|---|---|---|---|",
+    ]
+    every: list[Gap] = []
+    for i, w in enumerate(windows):
+        busy, gaps = idle_gaps(trace, w)
+        idle = (w[1] - w[0]) - busy
+        host = sum(g.length_us for g in gaps if g.host_bound)
+        big = [g for g in gaps if g.length_us >= min_us]
+        every += big
+        lines.append(
+            f"| {i} | {(w[1] - w[0]) / 1e3:.2f} | {busy / 1e3:.2f} | {idle / 1e3:.2f} | {host / 1e3:.2f} | {len(big)} |"
+        )
+    lines += [
+        "",
+        f"Largest gaps (of {len(every)} >= {min_us:g} µs in all steps):",
+        "| µs | host-bound | last kernel before | first kernel after |",
+        "|---|---|---|---|",
+    ]
+    for g in sorted(every, key=lambda g: -g.length_us)[:top]:
+        lines.append(
+            f"| {g.length_us:.1f} | {'yes' if g.host_bound else 'no'} | {g.before[:70]} | {g.after[:70]} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "trace", type=Path, help="chrome trace JSON from torch.profiler (export_chrome_trace)"
+    )
+    parser.add_argument("--top", type=int, default=15, help="how many of the largest gaps to list")
+    parser.add_argument("--min-us", type=float, default=5.0, help="shortest gap listed or counted (µs)")
+    args = parser.parse_args(argv)
+    if not args.trace.is_file():
+        raise SystemExit(
+            f"{args.trace}: no such file; write one with `python -m training.benchmark --trace FILE`"
+        )
+    print(summarize(json.loads(args.trace.read_text()), args.top, args.min_us))
+
+
+if __name__ == "__main__":
+    main()
