@@ -11,7 +11,9 @@ which inductor compiles to atomic adds that sum in whatever order the threads ar
   aid, is turned off again: it changes no result and costs a write of every new buffer.
 
 Our fused attention is deterministic on its default paths; its `atomic` bias-gradient path is not,
-and raises under this mode (`training/model/triton_attention.py`). The cost in step time is in
+and raises under this mode (`training/model/triton_attention.py`). The residual add + RMS norm
+kernels (`training/model/triton_add_norm.py`) use no atomics: each program sums its own rows' weight
+gradient, and torch sums those partial sums. The cost in step time is in
 docs/performance.md.
 """
 
