@@ -42,3 +42,33 @@ def test_a_compile_mode_under_zero3_is_refused_before_the_engine_starts(tmp_path
     with pytest.raises(ValueError, match="model.compile_mode=default"):
         start_engine(cfg, model, None, None, ds_config, tmp_path, rank=0, world_size=1, device=torch.device("cpu"))
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_begin_run_seeds_makes_the_directory_on_rank_0_and_switches_determinism(tmp_path):
+    """The start shared by pretrain.py and finetune.py: rank 0 creates the output directory (other
+    ranks only name it), the seed is torch's, `deterministic` turns deterministic algorithms on, and
+    the stop-signal handler is installed (restored here)."""
+    import os
+    import signal
+
+    from training.determinism import set_deterministic
+    from training.run_setup import begin_run
+
+    stops = []
+    try:
+        cfg = load_run_config(None, ["seed=123", f"output_dir={tmp_path / 'other'}"])
+        stop, out_dir = begin_run(cfg, rank=1)
+        stops.append(stop)
+        assert out_dir == tmp_path / "other" and not out_dir.exists()
+        assert torch.initial_seed() == 123 and not torch.are_deterministic_algorithms_enabled()
+        cfg = load_run_config(None, ["seed=7", "deterministic=true", f"output_dir={tmp_path / 'run'}"])
+        stop, out_dir = begin_run(cfg, rank=0)
+        stops.append(stop)
+        assert out_dir.is_dir() and torch.initial_seed() == 7 and stop.received is None
+        assert torch.are_deterministic_algorithms_enabled()
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler records it instead of the default action
+        assert stop.received == signal.SIGUSR1
+    finally:
+        set_deterministic(False)
+        for stop in reversed(stops):
+            stop.restore()

@@ -24,10 +24,10 @@ import time
 import torch
 
 from training.budget import Horizon
-from training.determinism import set_deterministic
 from training.distributed import DistInfo, all_reduce_sum
 from training.metrics import train_line
 from training.run_setup import (
+    begin_run,
     build_model,
     build_optimizer_and_schedule,
     capture_rng_state,
@@ -36,7 +36,7 @@ from training.run_setup import (
     restore_rng_state,
     start_engine,
 )
-from training.stop_signals import EXIT_REQUEUE, StopRequest
+from training.stop_signals import EXIT_REQUEUE
 
 logger = logging.getLogger("t5ds.finetune")
 
@@ -55,15 +55,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     from training.sni.evaluate import build_eval_set, evaluate_sni
     from training.sni.tasks import load_sni
 
-    # Installed first: a preemption signal during start-up is then honoured at the first step.
-    stop = StopRequest()
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
-    out_dir = Path(cfg.output_dir)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    if cfg.deterministic:  # before the first matmul and the first compile
-        set_deterministic(True)
+    stop, out_dir = begin_run(cfg, rank=rank)  # first: signal handler, output directory, seed
 
     # --- data: every rank encodes the same instances (a few seconds), then takes its batches ----
     tokenizer = SNITokenizer(cfg.data.tokenizer)

@@ -23,11 +23,11 @@ import time
 import torch
 
 from training.budget import Horizon, TimeBudget
-from training.determinism import set_deterministic
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.metrics import train_line
 from training.nonfinite_watch import NonfiniteWatch
 from training.run_setup import (
+    begin_run,
     build_model,
     build_optimizer_and_schedule,
     capture_rng_state,
@@ -39,7 +39,7 @@ from training.run_setup import (
     start_engine,
     tokenizer_hash,
 )
-from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE, StopRequest
+from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
 
 logger = logging.getLogger("t5ds.pretrain")
 
@@ -53,15 +53,8 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     from training.model.flops import model_flops_per_step
     from training.optim import weight_l2_norm
 
-    # Installed first: a preemption signal during start-up is then honoured at the first step.
-    stop = StopRequest()
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
-    out_dir = Path(cfg.output_dir)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    if cfg.deterministic:  # before the first matmul and the first compile
-        set_deterministic(True)
+    stop, out_dir = begin_run(cfg, rank=rank)  # first: signal handler, output directory, seed
 
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
     model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)

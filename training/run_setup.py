@@ -1,6 +1,7 @@
-"""Building blocks of a training run that the entry points (pretrain, finetune) share:
-the model from the run config, the optimizer and its schedule, RNG state capture, file hashes
-and the GPU's measured matmul ceiling (for MFU).
+"""Building blocks of a training run that the entry points (pretrain, finetune) share: the run's
+start (signal handler, output directory, seed, determinism), the model from the run config and how
+it is compiled, the optimizer and its schedule, RNG state capture, file hashes and the GPU's
+measured matmul ceiling (for MFU).
 """
 
 from __future__ import annotations
@@ -169,6 +170,24 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
                        "use ds_configs/zero1.json on several GPUs (scaling figures: docs/performance.md)",
                        world_size)
     return engine, ckpt, resume_from, clip
+
+
+def begin_run(cfg, *, rank: int):
+    """The first steps of a run (pre-training or fine-tuning), in this order: the stop-signal handler
+    (a preemption signal during start-up is then honoured at the first step), the output directory
+    (rank 0 creates it), the seed, and deterministic algorithms when `cfg.deterministic` asks (before
+    the first matmul and the first compile). Returns (the StopRequest, the output directory)."""
+    from training.determinism import set_deterministic
+    from training.stop_signals import StopRequest
+
+    stop = StopRequest()
+    out_dir = Path(cfg.output_dir)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    if cfg.deterministic:
+        set_deterministic(True)
+    return stop, out_dir
 
 
 def open_run_outputs(cfg, ds_config: dict, model_config, out_dir: Path, *, rank: int):
