@@ -87,6 +87,11 @@ if _HAS_TRITON:
         tl.store(DW_PARTS + tl.program_id(0) * D + cols, tl.sum(dw, axis=0), mask=cols < D)
 
 
+def _half(weight: torch.Tensor) -> bool:
+    """A half-precision weight: rms_norm then casts the normalised x to its dtype before multiplying."""
+    return weight.dtype in (torch.float16, torch.bfloat16)
+
+
 def _launch_fwd(h, out, weight, eps: float, y_dtype: torch.dtype, wrap=lambda kernel: kernel):
     d = h.shape[-1]
     rows = h.numel() // d
@@ -96,18 +101,17 @@ def _launch_fwd(h, out, weight, eps: float, y_dtype: torch.dtype, wrap=lambda ke
     block_d = triton.next_power_of_2(d)
     wrap(_add_rms_norm_fwd_kernel)[(triton.cdiv(rows, FWD_ROWS),)](
         h, out, weight, h_new, y, rstd, rows, d, eps,
-        ROWS=FWD_ROWS, BLOCK_D=block_d, HALF_W=weight.dtype in (torch.float16, torch.bfloat16),
+        ROWS=FWD_ROWS, BLOCK_D=block_d, HALF_W=_half(weight),
         num_warps=4 if block_d <= 1024 else 8,
     )  # fmt: skip
     return h_new, y, rstd
 
 
 def _backward_programs(rows: int, device: torch.device) -> int:
-    per_program = BWD_ROWS
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(triton.cdiv(rows, per_program), sms * BWD_PROGRAMS_PER_SM))
-    return max(1, min(triton.cdiv(rows, per_program), 3))  # the interpreter: several programs, few rows
+        return max(1, min(triton.cdiv(rows, BWD_ROWS), sms * BWD_PROGRAMS_PER_SM))
+    return max(1, min(triton.cdiv(rows, BWD_ROWS), 3))  # the interpreter: several programs, few rows
 
 
 def _launch_bwd(dy, dres, h_new, weight, rstd, out_dtype: torch.dtype, wrap=lambda kernel: kernel):
@@ -123,7 +127,7 @@ def _launch_bwd(dy, dres, h_new, weight, rstd, out_dtype: torch.dtype, wrap=lamb
     wrap(_add_rms_norm_bwd_kernel)[(programs,)](
         dy, dy if dres is None else dres, h_new, weight, rstd, dh, dout if separate else dh, parts, rows, d,
         HAS_DRES=dres is not None, SEPARATE_DOUT=separate, ROWS=BWD_ROWS, BLOCK_D=block_d,
-        HALF_W=weight.dtype in (torch.float16, torch.bfloat16), STAGES=BWD_STAGES, num_warps=BWD_WARPS,
+        HALF_W=_half(weight), STAGES=BWD_STAGES, num_warps=BWD_WARPS,
     )  # fmt: skip
     return dh, dout, parts.sum(0).to(weight.dtype)
 
@@ -192,9 +196,9 @@ def add_rms_norm(
     y is `rms_norm(h + out, weight, eps)` cast to y_dtype when given (pass the autocast dtype when a
     linear layer reads y), else in rms_norm's dtype. CUDA tensors (with triton and torch >= 2.6): the
     fused kernels; elsewhere `add_rms_norm_reference`."""
-    half = weight.dtype in (torch.float16, torch.bfloat16)
-    natural = weight.dtype if half else torch.promote_types(torch.float32, weight.dtype)  # rms_norm's
     if not kernel_applies(h) or h.shape != out.shape:
         return add_rms_norm_reference(h, out, weight, eps, y_dtype)
+    # rms_norm's own output dtype, for y when no y_dtype is asked for
+    natural = weight.dtype if _half(weight) else torch.promote_types(torch.float32, weight.dtype)
     h_new, y, _ = _OP(h.contiguous(), out.contiguous(), weight, eps, y_dtype or natural)
     return h_new, y
