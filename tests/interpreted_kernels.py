@@ -257,6 +257,20 @@ def check_add_rms_norm() -> None:
                 _check(f"{tag}: dweight", dw, w_ref.grad, tol)
 
 
+def check_add_norm_sweep() -> None:
+    """benchmarks/add_norm_sweep.py's loop on two settings (13 rows: partial row blocks): both give
+    the default setting's results, and the module's launch settings are restored afterwards."""
+    from benchmarks import add_norm_sweep
+
+    default = (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES)
+    inputs = add_norm_sweep.backward_inputs(13, 40, torch.float32, device="cpu")
+    settings = [(1, 2, 4, 1), (8, 16, 4, 2)]
+    timed, failed = add_norm_sweep.sweep(inputs, lambda fn: (fn(), 1.0)[1], settings)
+    assert [s for _, s in timed] == settings and not failed, (timed, failed)
+    assert (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES) == default
+    print("add + norm launch-setting sweep: both settings give the default's results")
+
+
 def check_ffn_epilogue() -> None:
     """benchmarks/ffn_epilogue.py's GEMMs with the gated GELU in their epilogues (pointer loads and
     TMA descriptors) against the unfused FFN: h = x [W0; W1]^T, gelu_tanh(gate) * lin, and the
@@ -342,6 +356,7 @@ def main() -> None:
     check_ds_batch_sum()
     check_gated_gelu()
     check_add_rms_norm()
+    check_add_norm_sweep()
     check_ffn_epilogue()
     check_model()
     print("ALL KERNEL CHECKS PASSED")

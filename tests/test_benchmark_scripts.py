@@ -177,6 +177,7 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/gemm_shapes.py", "needs a CUDA GPU"),
                          ("benchmarks/fp8_gemm_shapes.py", "needs a CUDA GPU with FP8 tensor cores"),
                          ("benchmarks/rms_norm.py", "needs a CUDA GPU"),
+                         ("benchmarks/add_norm_sweep.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/decode_steps.py", "needs a CUDA GPU"),
                          ("benchmarks/ffn_epilogue.py", "needs triton and a CUDA GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)

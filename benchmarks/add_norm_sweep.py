@@ -1,0 +1,100 @@
+"""Launch-setting sweep of the residual add + RMS norm backward kernel (training/model/triton_add_norm.py).
+
+One backward of the pair at T5 base's width (768) as the model runs it: the gradient of y in bf16,
+the residual's gradient and h' in the residual dtype, a bf16 sublayer output (so the kernel also
+writes the cast gradient). For every combination of rows per loop step, programs per SM, warps and
+software-pipelining stages, checks the outputs against the default setting's and prints the GPU time
+per call (the profiler's device time, averaged over `--iters` calls), best first; a setting whose
+results differ, or that fails to compile, is listed as such. The module's BWD_* constants are the
+defaults.
+
+    python benchmarks/add_norm_sweep.py                                   # encoder rows, fp32 residual
+    python benchmarks/add_norm_sweep.py --rows 14592 --residual bf16 --top 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cuda_timing import kernel_ms  # noqa: E402
+from training.model import triton_add_norm as tn  # noqa: E402
+
+# (rows per loop step, programs per SM, warps, stages) settings swept: 64
+SETTINGS = tuple(itertools.product((1, 2, 4, 8), (2, 4, 8, 16), (4, 8), (1, 2)))
+RESIDUALS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def backward_inputs(rows: int, d_model: int, residual: torch.dtype, device: str = "cuda") -> tuple:
+    """(dy, dres, h_new, weight, rstd) of one pair, h_new and rstd from the forward kernel."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(rows, d_model, device=device, generator=gen).to(residual)
+    out = torch.randn(rows, d_model, device=device, generator=gen).to(torch.bfloat16)
+    weight = 1 + 0.1 * torch.randn(d_model, device=device, generator=gen)
+    h_new, _, rstd = tn._launch_fwd(h, out, weight, 1e-6, torch.bfloat16)
+    dy = torch.randn(rows, d_model, device=device, generator=gen).to(torch.bfloat16)
+    dres = torch.randn(rows, d_model, device=device, generator=gen).to(residual)
+    return dy, dres, h_new, weight, rstd
+
+
+def sweep(inputs: tuple, time_ms, settings=SETTINGS) -> tuple[list, list]:
+    """([(ms, setting)] of the settings whose results equal the default setting's, [(setting, why)]
+    of the others). time_ms(fn) times one call of fn; the module's BWD_* defaults are restored."""
+    default = (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES)
+    expected = tn._launch_bwd(*inputs, torch.bfloat16)
+    timed, failed = [], []
+    try:
+        for setting in settings:
+            tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES = setting
+            try:
+                got = tn._launch_bwd(*inputs, torch.bfloat16)
+                same = all(torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
+                           for a, b in zip(got, expected) if b.numel())  # fmt: skip
+                if not same:
+                    failed.append((setting, "results differ from the default setting's"))
+                    continue
+                timed.append((time_ms(lambda: tn._launch_bwd(*inputs, torch.bfloat16)), setting))
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile is a row too
+                failed.append((setting, f"{type(e).__name__}: {str(e)[:100]}"))
+    finally:
+        tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES = default
+    return timed, failed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, default=128 * 512, help="rows of one call (batch x sequence)")
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument("--residual", default="fp32", choices=list(RESIDUALS))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--top", type=int, default=10, help="how many of the fastest settings to print")
+    args = parser.parse_args(argv)
+    if not (torch.cuda.is_available() and tn._OP is not None):
+        raise SystemExit("benchmarks/add_norm_sweep.py needs triton and a CUDA GPU")
+    inputs = backward_inputs(args.rows, args.d_model, RESIDUALS[args.residual])
+    default = (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES)
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | rows {args.rows}, d_model "
+          f"{args.d_model}, {args.residual} residual | default (rows, programs/SM, warps, stages) {default}")  # fmt: skip
+    timed, failed = sweep(inputs, lambda fn: kernel_ms(fn, args.iters))
+    print("| ms | rows per step | programs per SM | warps | stages | |")
+    print("|---|---|---|---|---|---|")
+    for ms, setting in sorted(timed)[: args.top]:
+        note = "default" if setting == default else ""
+        print(f"| {ms:.4f} | " + " | ".join(map(str, setting)) + f" | {note} |")
+    for ms, setting in timed:
+        if setting == default:
+            print(f"default {default}: {ms:.4f} ms ({ms / min(timed)[0] - 1:+.1%} against the best)")
+    for setting, why in failed:
+        print(f"failed {setting}: {why}")
+
+
+if __name__ == "__main__":
+    main()
