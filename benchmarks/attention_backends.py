@@ -6,6 +6,8 @@ bf16): the encoder's self-attention (512 x 512, T5's relative bias, bidirectiona
 it: packed projection outputs in, the gradients of the bias included where there is one. Backends:
 
 - `triton`: ours (training/model/triton_attention.py), with the model's defaults.
+- `triton-rel`: ours given T5's relative bias row (heads, Sq + Sk - 1) instead of the dense bias,
+  summing its gradient per key - query offset in the dQ kernel (`triton_attention.RELATIVE_BIAS`).
 - `cudnn`: cuDNN's fused attention through the cudnn-frontend Python graph API, as the model's
   `cudnn` backend runs it (training/model/cudnn_attention.py; needs `nvidia-cudnn-frontend`): the
   bias as a (1, H, Sq, Sk) tensor and its gradient dBias, which cuDNN sums over the batch itself,
@@ -21,10 +23,14 @@ are eager. Prints per shape and backend: forward ms (no grad) and backward ms (f
 less the forward) of GPU time per call (the profiler's device time of every kernel, averaged over
 `--iters` calls: launch gaps do not count, as in a training step where the host runs ahead), their
 sum, attention TFLOP/s (backward counted as 2.5x the forward, as FlashAttention does), and the
-relative error of each output against ours (norm of the difference / norm of ours).
+relative error of each output against ours (norm of the difference / norm of ours; a dense bias
+gradient is first summed per key - query offset, the gradient of T5's relative row).
 
     python benchmarks/attention_backends.py
     python benchmarks/attention_backends.py --shapes enc --backends triton,cudnn
+    python benchmarks/attention_backends.py --shapes enc --backends triton,triton-rel --kernels
+
+`--kernels` also prints, under each row, the GPU ms per call of every kernel of forward + backward.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cuda_timing import kernel_ms  # noqa: E402
+from benchmarks.cuda_timing import kernel_ms, kernel_table  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
 from training.model import triton_attention as ta  # noqa: E402
 from training.model.attention import (  # noqa: E402
@@ -49,7 +55,7 @@ from training.model.attention import (  # noqa: E402
 )
 from training.model.cudnn_attention import head_views  # noqa: E402
 
-BACKENDS = ("triton", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
+BACKENDS = ("triton", "triton-rel", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
 SHAPES = {  # name -> (query length, key length, causal, has a bias)
     "enc": (512, 512, False, True),
     "dec": (114, 114, True, True),
@@ -74,13 +80,14 @@ class Case:
         else:
             self.q_src = torch.randn(batch, sq, 3 * hd, generator=gen, **bf16)
             self.kv_src = self.q_src.new_empty((0,))
-        self.bias = torch.empty((0,), device="cuda")
+        self.bias = self.rel = torch.empty((0,), device="cuda")
         self.far = 0
         if has_bias:  # T5's bias: a learned value per (head, bucket) of key - query
             table = torch.randn(heads, 32, generator=gen, device="cuda")
             relative = torch.arange(-(sq - 1), sk, device="cuda")
             buckets = relative_position_bucket(relative, bidirectional=not self.causal)
-            self.bias = dense_bias(table[:, buckets], sq, sk).contiguous()
+            self.rel = table[:, buckets].contiguous()  # (heads, sq + sk - 1)
+            self.bias = dense_bias(self.rel, sq, sk).contiguous()
             self.far = bias_saturation_distance(not self.causal)
         self.dout = torch.randn(batch, sq, hd, generator=gen, **bf16)
 
@@ -93,14 +100,20 @@ def run_model_path(case: Case, backend: str, compiled: bool):
     """(forward call, forward + backward call, outputs) of the model's `packed_attention` with this
     backend, compiled as in the training step (inductor fuses the launchers' torch glue: the
     backward's rowsum(dO * O), the bias gradient's batch sum, the bias's cast for cuDNN) or eager.
-    Outputs: out, dq_src, dkv_src, dbias."""
+    `triton-rel` takes the relative row, the others the dense bias. Outputs: out, dq_src, dkv_src,
+    and the gradient of the bias leaf (the row's for `triton-rel`)."""
     q_src = case.q_src.detach().requires_grad_()
     kv_src = case.kv_src.detach().requires_grad_() if case.kv_src.numel() else None
-    bias = case.bias.detach().requires_grad_() if case.bias.numel() else None
+    relative = backend == "triton-rel" and case.rel.numel() > 0
+    ta.RELATIVE_BIAS = backend == "triton-rel"  # read when packed_attention is traced or called
+    bias = (case.rel if relative else case.bias).detach().requires_grad_() if case.bias.numel() else None
     leaves = [t for t in (q_src, kv_src, bias) if t is not None]
+    backend = backend.removesuffix("-rel")
 
     def attend():
-        return packed_attention(q_src, kv_src, case.h, bias, None, case.causal, backend, bias_far=case.far)
+        dense, rel = (dense_bias(bias, case.sq, case.sk), bias) if relative else (bias, None)
+        return packed_attention(q_src, kv_src, case.h, dense, None, case.causal, backend, bias_far=case.far,
+                                bias_rel=rel)  # fmt: skip
 
     if compiled:
         torch._dynamo.reset()  # each case compiles afresh (the recompile limit counts per function)
@@ -163,6 +176,8 @@ def run_sdpa(case: Case, backend: str):
 def rel_err(x, ref) -> str:
     if x is None or ref is None or ref.numel() == 0:
         return "-"
+    if x.dim() != ref.dim():  # a dense bias gradient and a relative row's: the dense one summed per offset
+        x, ref = (ta.diagonal_sums(t.float()) if t.dim() == 3 else t for t in (x, ref))
     return f"{(x.float() - ref.float()).norm().item() / max(ref.float().norm().item(), 1e-30):.1e}"
 
 
@@ -178,6 +193,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="triton and cudnn through torch.compile, as the training step runs them")  # fmt: skip
+    parser.add_argument("--kernels", action="store_true", help="print each kernel's ms per forward + backward")
     args = parser.parse_args()
     shapes = comma_choices(args.shapes, list(SHAPES), "--shapes", "shape")
     backends = comma_choices(args.backends, BACKENDS, "--backends", "backend")
@@ -195,7 +211,7 @@ def main() -> None:
         ref = None
         for backend in backends:
             try:
-                if backend in ("triton", "cudnn"):
+                if backend in ("triton", "triton-rel", "cudnn"):
                     fwd, fwd_bwd, outputs = run_model_path(case, backend, args.compile)
                 else:
                     fwd, fwd_bwd, outputs = run_sdpa(case, backend)
@@ -211,6 +227,9 @@ def main() -> None:
             fl = case.flops()
             print(f"| {name} | {backend} | {f_ms:.3f} | {b_ms:.3f} | {f_ms + b_ms:.3f} | {fl / f_ms / 1e9:.0f} | "
                   f"{2.5 * fl / b_ms / 1e9:.0f} | {' | '.join(errs)} |", flush=True)  # fmt: skip
+            if args.kernels:
+                for kernel, ms in kernel_table(fwd_bwd, args.iters).items():
+                    print(f"|   | {kernel[:90]} | | {ms:.3f} | | | | | | | |")
             del fwd, fwd_bwd, outputs
             torch.cuda.empty_cache()
 

@@ -41,6 +41,12 @@ ta.DKDV_TILES.update({
     "enc": ta.Tiles(16, 32, 4, 1), "dec": ta.Tiles(32, 16, 4, 1), "cross": ta.Tiles(16, 16, 4, 1),
     "enc-short": ta.Tiles(32, 32, 4, 1), "dec-short": ta.Tiles(16, 16, 4, 1), "cross-short": ta.Tiles(16, 32, 4, 1),
 })  # fmt: skip
+# dQ from the stored dS: square tiles sum a relative bias's gradient in the kernel, the others leave
+# it to the dense gradient's diagonal sums (triton_attention.relative_grad_in_kernel); both occur.
+ta.DQDS_TILES.update({
+    "enc": ta.Tiles(16, 16, 4, 1), "dec": ta.Tiles(16, 16, 4, 1), "enc-short": ta.Tiles(32, 32, 4, 1),
+    "dec-short": ta.Tiles(16, 32, 4, 1),
+})  # fmt: skip
 
 # (batch, q length, k length, causal, padded keys, with a bias (H, SQ, SK) shared by the batch)
 ATTENTION_CASES = [
@@ -129,7 +135,41 @@ def check_attention() -> None:
                     _check(f"  dk|dv ({how})", dkv_src, expected, 3e-5)
                 if bias is not None:
                     _check(f"  dbias ({how})", dbias, br.grad, 3e-5)
+        if with_bias:
+            _check_relative_bias(q_src, kv_src, mask_arg, key_mask, causal, heads, tag)
     _set_paths()
+
+
+# The paths a relative bias's gradient is checked with: dQ from the stored dS (its sums in the dQ
+# kernel where the tiles are square) and dQ recomputed (the dense gradient's diagonal sums).
+RELATIVE_PATHS = [("ds", "stored_bias", "kernel"), ("ds", "recompute", "kernel")]
+
+
+def _check_relative_bias(q_src, kv_src, mask_arg, key_mask, causal, heads, tag) -> None:
+    """The kernels given a relative bias (H, SQ + SK - 1): the outputs of its dense expansion, and
+    its gradient per key - query offset, against math attention on `dense_bias` of it."""
+    b, sq = q_src.shape[:2]
+    sk = sq if kv_src.numel() == 0 else kv_src.shape[1]
+    d = (q_src.shape[-1] // (3 if kv_src.numel() == 0 else 1)) // heads
+    if kv_src.numel() == 0:
+        q, k, v = (t.unflatten(-1, (heads, d)) for t in q_src.chunk(3, -1))
+    else:
+        q, (k, v) = q_src.unflatten(-1, (heads, d)), (t.unflatten(-1, (heads, d)) for t in kv_src.chunk(2, -1))
+    rel = torch.randn(heads, sq + sk - 1)
+    qr, kr, vr, rel_r = (t.clone().requires_grad_() for t in (q, k, v, rel))
+    ref = _math_attention(qr, kr, vr, dense_bias(rel_r, sq, sk), key_mask, causal, 0.0)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    out, lse = ta._launch_fwd(q_src, kv_src, rel, mask_arg, causal, heads)
+    _check(f"{tag} relative bias: out", out, ref.detach().flatten(2), 3e-5)
+    key = ta.tile_class(causal, True, sq)
+    for paths in RELATIVE_PATHS:
+        _set_paths(*paths)
+        dq_src, dkv_src, drel = ta._launch_bwd(q_src, kv_src, rel, mask_arg, out, lse, dout.flatten(2), causal, heads)
+        summed = "in the dQ kernel" if paths[1] != "recompute" and ta.relative_grad_in_kernel(key) else "densely"
+        _check(f"  relative bias gradient, summed {summed} (dQ {paths[1]})", drel, rel_r.grad, 3e-5)
+        dq = dq_src[..., : heads * d]
+        _check(f"  dq with the relative bias (dQ {paths[1]})", dq, qr.grad.flatten(2), 3e-5)
 
 
 FAR_TILE_PATHS = {
@@ -331,17 +371,22 @@ def check_model() -> None:
 
     ref_loss, ref_grads = run("math")
     default_far = ta.FAR_TILES
-    cases = [(*paths, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias", "kernel")]]
-    cases.append(("ds", "recompute", "kernel", True))
-    for dbias_path, dq_path, ds_sum, far_tiles in cases:
+    default_relative = ta.RELATIVE_BIAS
+    cases = [(*paths, False, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias", "kernel")]]
+    cases.append(("ds", "recompute", "kernel", True, False))
+    cases.append(("ds", "stored_bias", "kernel", False, True))  # the kernels given the relative bias
+    for dbias_path, dq_path, ds_sum, far_tiles, relative in cases:
         _set_paths(dbias_path, dq_path, ds_sum)
         ta.FAR_TILES = ta.FAR_TILE_KERNELS if far_tiles else ()
+        ta.RELATIVE_BIAS = relative
         loss, grads = run("triton")
         tag = _backward_tag(dbias_path, dq_path, ds_sum) + (", far tiles" if far_tiles else "")
+        tag += ", relative bias" if relative else ""
         _check(f"tiny T5 loss, triton attention ({tag})", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
         _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)
     ta.FAR_TILES = default_far
+    ta.RELATIVE_BIAS = default_relative
     _set_paths()
 
 

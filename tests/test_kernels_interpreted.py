@@ -56,6 +56,10 @@ def test_kernels_match_torch_in_the_triton_interpreter():
         assert f"tiny T5 loss, triton attention (bias gradient path ds, dQ {dq_path})" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, far tiles)" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, dS summed by torch)" in proc.stdout
+    assert "tiny T5 loss, triton attention (bias gradient path ds, dQ stored_bias, relative bias)" in proc.stdout
+    # a relative bias's gradient, summed by the dQ-from-dS kernel (square tiles) and densely
+    assert proc.stdout.count("relative bias gradient, summed in the dQ kernel") == 5
+    assert proc.stdout.count("relative bias gradient, summed densely") == 7
     assert proc.stdout.count("dS summed over the batch") == 4  # 2 shapes x 2 dtypes
     assert proc.stdout.count("FFN epilogue") == 6  # 2 kernel pairs x 3 tensors
     assert proc.stdout.count("with and without far tiles") == 27  # 3 shapes x 3 paths x 3 tensors

@@ -167,9 +167,11 @@ def test_position_bias_is_the_bucketed_table_per_pair(is_decoder, q_len, k_len, 
     config = T5Config.from_preset("tiny", relative_attention_num_buckets=8, relative_attention_max_distance=6)
     model = T5ForConditionalGeneration(config)  # small buckets: the log-spaced ones show at these lengths
     stack = model.decoder if is_decoder else model.encoder
-    bias = stack.position_bias(q_len, k_len, q_offset, torch.device("cpu"))
+    bias, rel = stack.position_bias(q_len, k_len, q_offset, torch.device("cpu"))
     # A 0-dim tensor offset (decoding into a fixed-size cache) gives the same bias.
-    assert torch.equal(stack.position_bias(q_len, k_len, torch.tensor(q_offset), torch.device("cpu")), bias)
+    again = stack.position_bias(q_len, k_len, torch.tensor(q_offset), torch.device("cpu"))
+    assert torch.equal(again.dense, bias) and torch.equal(again.rel, rel)
+    assert torch.equal(dense_bias(rel, q_len, k_len), bias)
     q_pos = torch.arange(q_offset, q_offset + q_len)[:, None]
     buckets = relative_position_bucket(torch.arange(k_len)[None, :] - q_pos, bidirectional=not is_decoder,
                                        num_buckets=8, max_distance=6)  # fmt: skip
@@ -508,3 +510,16 @@ def test_residual_dtype_autocast_keeps_bf16_hidden_states_under_autocast_only():
     assert seen and set(seen) == {torch.float32}
     with pytest.raises(ValueError, match="autocast"):
         T5Config.from_preset("tiny", residual_dtype="bf16")
+
+
+@pytest.mark.parametrize("q_len, k_len", [(5, 5), (3, 8), (9, 2), (1, 1)])
+def test_diagonal_sums_are_the_gradient_of_dense_bias(q_len, k_len):
+    """triton_attention.diagonal_sums (how the fused kernel turns a dense bias gradient into a
+    relative row's) equals autograd's gradient through attention.dense_bias."""
+    from training.model.triton_attention import diagonal_sums
+
+    torch.manual_seed(0)
+    rel = torch.randn(3, q_len + k_len - 1, requires_grad=True)
+    grad = torch.randn(3, q_len, k_len)
+    dense_bias(rel, q_len, k_len).backward(grad)
+    torch.testing.assert_close(diagonal_sums(grad), rel.grad, rtol=1e-6, atol=1e-6)

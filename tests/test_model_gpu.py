@@ -98,9 +98,14 @@ def test_triton_matches_math_bf16(case):
         assert err < 2e-2, f"{name}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("dq_path", ["recompute", "stored_bias"])
-def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(dq_path, monkeypatch):
+@pytest.mark.parametrize(
+    "dq_path, relative", [("recompute", False), ("stored_bias", False), ("stored_bias", True)],
+    ids=["recompute", "stored_bias", "stored_bias-relative"],
+)  # fmt: skip
+def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(dq_path, relative, monkeypatch):
+    """relative: the kernels get the stacks' relative bias rows and sum their gradients per offset."""
     monkeypatch.setattr(ta, "DQ_PATH", dq_path)
+    monkeypatch.setattr(ta, "RELATIVE_BIAS", relative)
     torch.manual_seed(0)
     config = T5Config.from_preset("tiny", attention_backend="math", num_layers=3)
     model = T5ForConditionalGeneration(config).cuda()
@@ -233,3 +238,33 @@ def test_far_tiles_change_nothing(causal, dtype, monkeypatch):
         results.append((out.detach(), x.grad, bb.grad))
     for name, dense_tiles, far_tiles in zip(("out", "dqkv", "dbias"), *results):
         assert torch.equal(dense_tiles, far_tiles), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 512, False), (8, 114, True), (3, 77, False), (2, 300, True)], ids=str)
+def test_relative_bias_gradient_equals_the_dense_ones_diagonal_sums(shape, dtype, monkeypatch):
+    """The fused kernel given T5's relative bias row (bias_rel): the same output and q/k/v gradients
+    as given its dense expansion, and as the row's gradient the dense gradient summed along each key -
+    query offset (summed in the dQ-from-dS kernel at these tiles; autograd's scatter for the dense)."""
+    from training.model.attention import dense_bias, packed_attention
+
+    b, s, causal = shape
+    h, d = 12, 64
+    assert ta.relative_grad_in_kernel(ta.tile_class(causal, True, s))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rel = torch.randn(h, 2 * s - 1, device="cuda", generator=g)
+    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g).to(dtype)
+    key_mask = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    key_mask[0, s // 2 :] = False
+    dout = torch.randn(b, s, h * d, device="cuda", generator=g).to(dtype)
+    results = {}
+    for relative in (False, True):
+        monkeypatch.setattr(ta, "RELATIVE_BIAS", relative)
+        x, r = qkv.clone().requires_grad_(), rel.clone().requires_grad_()
+        out = packed_attention(x, None, h, dense_bias(r, s, s), key_mask, causal, "triton", bias_rel=r)
+        out.backward(dout)
+        results[relative] = (out.detach(), x.grad, r.grad)
+    (out, dx, drel), (out_dense, dx_dense, drel_dense) = results[True], results[False]
+    assert torch.equal(out, out_dense) and torch.equal(dx, dx_dense)
+    largest = drel_dense.abs().max().item()
+    torch.testing.assert_close(drel, drel_dense, rtol=1e-5, atol=1e-5 * largest)

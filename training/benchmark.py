@@ -28,7 +28,10 @@ the ones named, or in none; triton_attention.FAR_TILES), clipinstep|clipbefore (
 gradients inside its step, as training runs at ZeRO 0 do, or torch's clip_grad_norm_ runs before the
 step; training/grad_clip.py), deterministic (training/determinism.py: deterministic algorithms, as the
 run config's `deterministic`), classtiles|enctiles (each attention's tiles by its kind and query
-length, or the encoder's for every attention: triton_attention.tile_class and its tile tables). Each
+length, or the encoder's for every attention: triton_attention.tile_class and its tile tables),
+relbias|densebias (the fused kernel takes T5's relative bias row and sums its gradient per key -
+query offset in its dQ kernel, or the dense (heads, q, k) bias and returns a dense gradient per
+layer; triton_attention.RELATIVE_BIAS). Each
 variant prints one table row, ending with the loss of the last step and the sum of every parameter
 after it (two runs of the same variant are bit-identical when both are); --json appends one JSON
 object per variant to a file. The attention tiles
@@ -66,13 +69,13 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
-    from training.model.triton_attention import DQ_PATH, DS_SUM, FAR_TILES
+    from training.model.triton_attention import DQ_PATH, DS_SUM, FAR_TILES, RELATIVE_BIAS
 
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
-        deterministic=False, tiles_per_class=True, triton_add_norm=True,
+        deterministic=False, tiles_per_class=True, triton_add_norm=True, relative_bias=RELATIVE_BIAS,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -109,6 +112,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["deterministic"] = True
         elif item in ("classtiles", "enctiles"):
             variant["tiles_per_class"] = item == "classtiles"
+        elif item in ("relbias", "densebias"):
+            variant["relative_bias"] = item == "relbias"
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -140,6 +145,7 @@ def variant_label(v: dict) -> str:
     notes += [] if v["clip_in_step"] else ["clip before step"]
     notes += ["deterministic"] if v["deterministic"] else []
     notes += [] if v["tiles_per_class"] else ["encoder tiles everywhere"]
+    notes += ["relative bias"] if v["relative_bias"] else []
     return ", ".join([v["attention"], *notes])
 
 
@@ -147,11 +153,12 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import triton_add_norm, triton_gated_gelu
     from training.model import triton_attention as ta
 
-    defaults = ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED, triton_add_norm.ENABLED
+    defaults = (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, triton_gated_gelu.ENABLED,
+                triton_add_norm.ENABLED)  # fmt: skip
     tables = ta.TILE_TABLES.values()
     default_tiles = [dict(table) for table in tables]
     ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
-    ta.FAR_TILES = variant["far_tiles"]
+    ta.FAR_TILES, ta.RELATIVE_BIAS = variant["far_tiles"], variant["relative_bias"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     triton_add_norm.ENABLED = variant["triton_add_norm"]
     if not variant["tiles_per_class"]:  # the encoder's tiles everywhere, as before the sixteenth session
@@ -163,7 +170,8 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     try:
         return _run_variant(variant, args, device)
     finally:
-        ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, triton_gated_gelu.ENABLED, triton_add_norm.ENABLED = defaults
+        (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, triton_gated_gelu.ENABLED,
+         triton_add_norm.ENABLED) = defaults  # fmt: skip
         for table, tiles in zip(tables, default_tiles):
             table.update(tiles)
         set_deterministic(False)

@@ -10,7 +10,11 @@ T5's bias depends only on key - query: the model looks up one relative row per h
 (heads, q_len + k_len - 1) with B[h, i, j] = rel[h, j - i + q_len - 1] (1023 bucket lookups at
 512 x 512 instead of 262,144), and `dense_bias` expands it once per stack to the (heads, q_len,
 k_len) bias every backend here reads. (The fused kernel reading the relative row itself measured
-slower than reading the dense tile: docs/model.md.)
+slower than reading the dense tile: docs/model.md.) The fused kernel can also take the relative
+row (`packed_attention`'s bias_rel, with `triton_attention.RELATIVE_BIAS` on): it expands it to the
+dense tiles it reads and returns its gradient per offset, summed along dS's diagonals in its dQ
+kernel, instead of a dense (heads, q_len, k_len) gradient per layer for autograd to sum and scatter.
+Off by default: slower (docs/model.md, eighteenth session).
 
 Backends (`T5Config.attention_backend`):
 - "math": explicit fp32-softmax scores, the numerics of HF's eager T5 (used on CPU and for tests);
@@ -176,6 +180,7 @@ def packed_attention(
     backend: str,
     dropout_p: float = 0.0,
     bias_far: int = 0,
+    bias_rel: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention` on the fused projection outputs, (b, sq, heads * d) out.
 
@@ -183,7 +188,10 @@ def packed_attention(
     (b, sq, heads * d), kv_src (b, sk, 2 * heads * d) = [k | v]. The fused kernel reads the sources
     with strides and its backward writes each source's gradient as one tensor; other backends get
     q/k/v views. bias_far: `bias_saturation_distance` of a T5 bias (0 for any other bias), which the
-    fused kernel may use to skip loads.
+    fused kernel may use to skip loads. bias_rel: the relative row (heads, sq + sk - 1) that bias was
+    expanded from (bias = dense_bias(bias_rel, sq, sk)), or None. With triton_attention.RELATIVE_BIAS
+    on, the fused kernel takes it instead of bias, so the gradient flows to bias_rel, not to bias
+    (bias, when it was computed from bias_rel, gets its share through it); other backends read bias.
     """
     b, sq, width = q_src.shape
     if kv_src is None:
@@ -195,6 +203,8 @@ def packed_attention(
                              hd // heads, key_mask is not None)  # fmt: skip
     if chosen == "triton":
         kv = None if kv_src is q_src else kv_src
+        if bias_rel is not None and triton_attention.RELATIVE_BIAS:
+            bias = bias_rel
         return triton_attention.t5_flash_attention_packed(q_src, kv, heads, bias, key_mask, causal, bias_far)
     if chosen == "cudnn":
         return cudnn_attention.cudnn_attention_packed(

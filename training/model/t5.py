@@ -4,8 +4,9 @@ Every parameter lives under exactly the name and shape it has in an HF T5 checkp
 (`shared.weight`, `encoder.block.0.layer.0.SelfAttention.q.weight`, ..., `lm_head.weight`), so
 `state_dict()` / `load_state_dict()` speak HF names with no conversion (DeepSpeed checkpoints too).
 Speed comes from the forward pass instead: q/k/v (and wi_0/wi_1) weights are concatenated on the fly
-so each projection is one GEMM, the relative bias is computed once per stack as (heads, q, k) fp32,
-and attention goes through `attention.attention` (fused Triton kernel on CUDA).
+so each projection is one GEMM, the relative bias is computed once per stack as (heads, q, k) fp32
+(with the (heads, q + k - 1) row it is expanded from: `PositionBias`), and attention goes through
+`attention.attention` (fused Triton kernel on CUDA).
 
 Numerics follow HF: RMS norm in fp32 (no mean, no bias), fp32 residual stream, no 1/sqrt(d_kv)
 scaling, loss in fp32.
@@ -40,6 +41,16 @@ class Seq2SeqOutput(NamedTuple):
     loss: torch.Tensor | None
     # (batch, target_len, vocab) fp32 logits, or None when forward(return_logits=False).
     logits: torch.Tensor | None
+
+
+class PositionBias(NamedTuple):
+    """A stack's learned relative bias, shared by its blocks, in both forms the attention backends take."""
+
+    # (heads, q_len, k_len) fp32: what every backend reads; expanded once per stack from `rel`.
+    dense: torch.Tensor
+    # (heads, q_len + k_len - 1) fp32, one value per key - query offset: what the fused Triton kernel
+    # can take instead (`attention.packed_attention`'s bias_rel; triton_attention.RELATIVE_BIAS).
+    rel: torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,7 +127,7 @@ class T5Attention(nn.Module):
         self,
         x: torch.Tensor,
         kv_input: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
+        bias: PositionBias | None = None,
         key_mask: torch.Tensor | None = None,
         causal: bool = False,
         cache: dict | None = None,
@@ -137,16 +148,16 @@ class T5Attention(nn.Module):
         if cache is None or kv_input is not None:  # attention reads the fused projection outputs as they are
             # The stack's bias is T5's relative one (queries from position 0 here): constant per head
             # from this distance on, which the fused kernel can use.
-            far = self.bias_far[causal] if bias is not None else 0
+            far, dense, rel = (0, None, None) if bias is None else (self.bias_far[causal], *bias)
             out = packed_attention(
-                q_src, kv_src, self.n_heads, bias, key_mask, causal, self.backend, dropout_p, far
+                q_src, kv_src, self.n_heads, dense, key_mask, causal, self.backend, dropout_p, far, rel
             )
             return self.o(out)
         # Decoding's self-attention: this position's keys/values fill one slot of the fixed-size
         # cache (static shapes, for CUDA graphs), and the query attends over all its slots.
         q, k, v = (t.view(b, sq, *heads) for t in q_src.chunk(3, dim=-1))
         k, v = _write_cache_slot(cache, cache_prefix, k, v)
-        out = attention(q, k, v, bias, key_mask, causal, self.backend, dropout_p)
+        out = attention(q, k, v, bias.dense, key_mask, causal, self.backend, dropout_p)
         return self.o(out.reshape(b, sq, self.n_heads * self.d_kv))
 
 
@@ -235,7 +246,7 @@ class T5Block(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        bias: torch.Tensor,
+        bias: PositionBias,
         key_mask: torch.Tensor | None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_key_mask: torch.Tensor | None = None,
@@ -291,19 +302,20 @@ class T5Stack(nn.Module):
 
     def position_bias(
         self, q_len: int, k_len: int, q_offset: int | torch.Tensor, device: torch.device
-    ) -> torch.Tensor:
-        """(heads, q_len, k_len) fp32 learned bias, shared by every block of the stack. Looked up once
-        per key - query offset (a (heads, q_len + k_len - 1) row) and expanded by `dense_bias`.
-        Queries sit at positions q_offset .. q_offset + q_len - 1 (an int, or a 0-dim device tensor
-        when decoding into a fixed-size cache), keys at 0 .. k_len - 1."""
-        rel = torch.arange(-(q_len - 1), k_len, device=device) - q_offset  # key position - query position
+    ) -> PositionBias:
+        """The learned bias, shared by every block of the stack: looked up once per key - query offset
+        (the (heads, q_len + k_len - 1) row, `rel`) and expanded by `dense_bias` to (heads, q_len,
+        k_len) (`dense`; left out of the compiled graph where no attention reads it). Queries sit at positions q_offset .. q_offset + q_len - 1 (an int, or a 0-dim
+        device tensor when decoding into a fixed-size cache), keys at 0 .. k_len - 1."""
+        offsets = torch.arange(-(q_len - 1), k_len, device=device) - q_offset  # key position - query position
         buckets = relative_position_bucket(
-            rel,
+            offsets,
             bidirectional=not self.is_decoder,
             num_buckets=self.config.relative_attention_num_buckets,
             max_distance=self.config.relative_attention_max_distance,
         )
-        return dense_bias(self.bias_table(buckets).t().float(), q_len, k_len)
+        rel = self.bias_table(buckets).t().float()
+        return PositionBias(dense_bias(rel, q_len, k_len), rel)
 
     def forward(
         self,

@@ -22,7 +22,9 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
   `DQ_PATH` "stored" (by default "stored_bias": where there is a bias) it also stores dS (B, H, Sq,
   Sk) in the input dtype, `_ds_batch_sum_kernel` sums it over the batch for the bias gradient (in a
   fixed order: `DS_SUM`), and
-- `_bwd_dq_from_ds_kernel`: grid (q blocks, B*H); dQ = dS K from the stored dS (no recomputation).
+- `_bwd_dq_from_ds_kernel`: grid (q blocks, B*H); dQ = dS K from the stored dS (no recomputation);
+  given a relative bias (RELATIVE_BIAS) it also sums dS per key - query offset, and
+  `_rel_grad_reduce_kernel` (grid (H, offset chunks)) adds those sums up into the bias's gradient.
 - `_bwd_dq_kernel` (`DQ_PATH` "recompute", and attention without a bias by default): grid (q
   blocks, B*H); recomputes P and accumulates dQ; with a bias it also stores dS for the bias gradient
   (`DBIAS_PATH = "ds"`), or adds dS into one fp32 (H, Sq, Sk) buffer with atomic adds (`"atomic"`).
@@ -127,6 +129,7 @@ if _HAS_TRITON:
         _delta_kernel,
         _ds_batch_sum_kernel,
         _fwd_kernel,
+        _rel_grad_reduce_kernel,
     )
 
 
@@ -154,9 +157,16 @@ def _flags(q_src: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor, far:
 _LOG2E = 1.4426950408889634
 
 
-def _kernel_bias(bias: torch.Tensor) -> torch.Tensor:
-    """The bias as the kernels read it: in base-2 units, so that scale and bias are one FMA per score."""
-    return bias if bias.numel() == 0 else (bias * _LOG2E).contiguous()
+def _kernel_bias(bias: torch.Tensor, SQ: int, SK: int) -> torch.Tensor:
+    """The (H, SQ, SK) bias as the kernels read it, in base-2 units so that scale and bias are one FMA
+    per score; a relative bias (H, SQ + SK - 1) is expanded here (`attention.dense_bias`)."""
+    if bias.numel() == 0:
+        return bias
+    if bias.dim() == 2:
+        from training.model.attention import dense_bias  # attention.py imports this module
+
+        return dense_bias(bias * _LOG2E, SQ, SK).contiguous()
+    return (bias * _LOG2E).contiguous()
 
 
 def _even(SQ: int, SK: int, tiles: Tiles) -> dict:
@@ -182,7 +192,7 @@ def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: in
     out = torch.empty((B, SQ, H * D), dtype=q_src.dtype, device=q_src.device)
     lse = torch.empty((2, B, H, SQ), dtype=torch.float32, device=q_src.device)  # row max (base 2), 1/row sum
     flags = _flags(q_src, bias, key_mask, far, "fwd")
-    kbias = _kernel_bias(bias)
+    kbias = _kernel_bias(bias, SQ, SK)
     t = FWD_TILES[tile_class(causal, flags["HAS_BIAS"], SQ)]
     grid = (triton.cdiv(SQ, t.block_m), B * H)
     wrap(_fwd_kernel)[grid](
@@ -220,17 +230,30 @@ DS_SUM = "kernel"
 # "stored_bias".
 DQ_PATHS = ("recompute", "stored", "stored_bias")
 DQ_PATH = "stored_bias"
+# A relative bias (H, SQ + SK - 1), one value per key - query offset as T5's, has as its gradient the
+# sums of dS along those offsets, over the batch. The kernels take one (a 2-D bias; `attention.
+# packed_attention`'s bias_rel) and return that gradient. With dQ from the stored dS and square dQ
+# tiles (DQDS_TILES), `_bwd_dq_from_ds_kernel` sums each dS tile along its offsets (two gathers and a
+# sum over the rows) as it reads it for dQ, and `_rel_grad_reduce_kernel` adds the sums up, so the
+# stored dS is not read a second time by the batch sum; otherwise the dense gradient is computed and
+# summed along its diagonals (`diagonal_sums`). RELATIVE_BIAS: whether `packed_attention` hands the
+# kernel the relative bias when the caller has it (benchmark variant `relbias`), or the dense one
+# (`densebias`): the dense gradient per layer, which autograd sums over the layers and scatters onto
+# the bias table. Off: the sums cost more in the dQ kernel than the second read of dS they save (an
+# encoder layer's backward 1.75 ms against 1.63, eighteenth session, docs/model.md).
+RELATIVE_BIAS = False
+REL_GRAD_BLOCK_B = _env_int("T5DS_ATTN_REL_GRAD_BLOCK_B", 16)  # rows per step of `_rel_grad_reduce_kernel`
 
 
 def _launch_bwd(
     q_src, kv_src, bias, key_mask, out, lse, dout, causal: bool, heads: int, far: int = 0, wrap=lambda kernel: kernel
 ):
     """Gradients of the sources (each one buffer, laid out like its source; an empty kv_src gets an
-    empty gradient) and of the (H, SQ, SK) bias."""
+    empty gradient) and of the bias, in its shape: dense (H, SQ, SK) or relative (H, SQ + SK - 1)."""
     kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
     flags = _flags(q_src, bias, key_mask, far, "dq")
-    kbias = _kernel_bias(bias)
+    kbias = _kernel_bias(bias, SQ, SK)
     dout, out = dout.contiguous(), out.contiguous()
     dq_src = torch.empty(q_src.shape, dtype=q_src.dtype, device=q_src.device)
     dkv_src = torch.empty(kv_src.shape, dtype=kv_src.dtype, device=kv_src.device)
@@ -283,13 +306,30 @@ def _launch_bwd(
         STORE_DS=dq_from_ds, D=D,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
     )  # fmt: skip
+    relative = flags["HAS_BIAS"] and bias.dim() == 2
+    rel_in_kernel = relative and dq_from_ds and relative_grad_in_kernel(key)
     if dq_from_ds:
         t = DQDS_TILES[key]
-        wrap(_bwd_dq_from_ds_kernel)[(triton.cdiv(SQ, t.block_m), B * H)](
-            ds, kv, dq_src, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ,
-            CAUSAL=causal, IEEE=flags["IEEE"], D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        n_m, chunks = triton.cdiv(SQ, t.block_m), triton.cdiv(SK, t.block_n) + 1
+        # (B * H, query blocks, chunks, BLOCK_N) sums of dS per key - query offset; causal: the chunks
+        # past a block's diagonal are never written, so they must read as 0
+        drel = q_src.new_empty((0,), dtype=torch.float32)
+        if rel_in_kernel:
+            drel = (torch.zeros if causal else torch.empty)(
+                (B * H, n_m, chunks, t.block_n), dtype=torch.float32, device=q_src.device
+            )
+        wrap(_bwd_dq_from_ds_kernel)[(n_m, B * H)](
+            ds, kv, dq_src, drel, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ, chunks,
+            CAUSAL=causal, IEEE=flags["IEEE"], REL_GRAD=rel_in_kernel, D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
             num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
+    if rel_in_kernel:
+        dbias = torch.empty(bias.shape, dtype=torch.float32, device=q_src.device)
+        wrap(_rel_grad_reduce_kernel)[(H, n_m + chunks - 1)](
+            drel, dbias, B, H, n_m, chunks, SQ + SK - 1, SQ - n_m * t.block_m,
+            BLOCK_B=REL_GRAD_BLOCK_B, T=t.block_n, num_warps=4,
+        )  # fmt: skip
+        return dq_src, dkv_src, dbias
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
     elif ds_mode == 1:
@@ -305,7 +345,23 @@ def _launch_bwd(
             B, H, SQ, SK, SK - SQ, B * H * SQ, HAS_MASK=flags["HAS_MASK"], CAUSAL=causal, IEEE=flags["IEEE"], D=D,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
-    return dq_src, dkv_src, dbias
+    return dq_src, dkv_src, diagonal_sums(dbias) if relative else dbias
+
+
+def relative_grad_in_kernel(tile_key: str) -> bool:
+    """Whether a relative bias's gradient is summed by the dQ-from-dS kernel (square tiles) for the
+    attentions of this TILE_CLASSES key, when dQ comes from the stored dS; else `diagonal_sums`."""
+    return DQDS_TILES[tile_key].block_m == DQDS_TILES[tile_key].block_n
+
+
+def diagonal_sums(dense: torch.Tensor) -> torch.Tensor:
+    """(H, SQ, SK) -> (H, SQ + SK - 1): out[h, k - q + SQ - 1] = sum of dense[h, q, k] over the (q, k)
+    with that offset, in a fixed order (the gradient of `attention.dense_bias`'s input, without the
+    scatter-add that is not deterministic on CUDA). Row q is shifted right by SQ - 1 - q: rows flipped,
+    padded by SQ, flattened and re-cut at width SQ + SK - 1, each lands q' = SQ - 1 - q places on."""
+    H, SQ, SK = dense.shape
+    skewed = torch.nn.functional.pad(dense.flip(1), (0, SQ)).flatten(1)[:, : SQ * (SQ + SK - 1)]
+    return skewed.view(H, SQ, SQ + SK - 1).sum(1)
 
 
 def _ds_batch_sum(ds: torch.Tensor, wrap) -> torch.Tensor:
@@ -430,8 +486,9 @@ def t5_flash_attention_packed(
     """Fused attention read straight from the projection outputs, (B, SQ, H * D) out.
 
     Self-attention: q_src (B, S, 3 H D) = [q | k | v], kv_src None. Cross-attention: q_src
-    (B, SQ, H D), kv_src (B, SK, 2 H D) = [k | v]. The bias is (H, SQ, SK) fp32 (a relative one
-    is expanded by the caller, `attention.dense_bias`). The backward returns each source's gradient
+    (B, SQ, H D), kv_src (B, SK, 2 H D) = [k | v]. The bias is (H, SQ, SK) fp32, or a relative one
+    (H, SQ + SK - 1), one value per key - query offset (`attention.dense_bias`), whose gradient is
+    then returned per offset (see RELATIVE_BIAS). The backward returns each source's gradient
     as one tensor (the kernels write dq, dk, dv into it; autograd has no concatenation to do).
     bias_far > 0 promises that the bias is constant per head wherever key - query >= bias_far and
     wherever query - key >= bias_far (`attention.bias_saturation_distance`); the kernels named in

@@ -235,13 +235,21 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
 
 
 @triton.jit
-def _bwd_dq_from_ds_kernel(DS, KV, DQ, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, CAUSAL_OFFSET,
-                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
+def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, CAUSAL_OFFSET, CHUNKS,
+                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, REL_GRAD: tl.constexpr, D: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
                            EVEN_N: tl.constexpr):
     """dQ = dS K of one query block of one (batch, head) from the dS the dK/dV kernel stored: the
     same products, in the same order, as `_bwd_dq_kernel` with its tiles, without recomputing P
-    and dP. Reads dS once (a streaming GEMM)."""
+    and dP. Reads dS once (a streaming GEMM).
+
+    REL_GRAD (square tiles, BLOCK_M == BLOCK_N): also sums each dS tile along its key - query
+    offsets, the gradient of a relative bias, while the tile is in registers. A tile's 2 * BLOCK_N - 1
+    offsets are two halves: the lower one (offsets start_n - m0 - BLOCK_N + 1 .. start_n - m0) plus
+    the previous tile's upper one is finished, and is stored as chunk start_n / BLOCK_N of this
+    program's CHUNKS (DREL: (B * H, query blocks, CHUNKS, BLOCK_N) fp32; chunk c holds the offsets
+    c * BLOCK_N - m0 - BLOCK_N + 1 + r); `_rel_grad_reduce_kernel` sums the chunks over the batch
+    and the query blocks."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -250,6 +258,12 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, C
     ds_rows = DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     end_n = _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M, CAUSAL)  # dS is 0 past the causal diagonal
+    if REL_GRAD:
+        r = tl.arange(0, BLOCK_N)
+        lower = tl.arange(0, BLOCK_M)[:, None] + r[None, :] - (BLOCK_M - 1)  # the tile's column on (row, r)
+        upper = tl.arange(0, BLOCK_M)[:, None] + r[None, :] + 1
+        chunks = DREL + (bh.to(tl.int64) * tl.num_programs(0) + pid_m) * CHUNKS * BLOCK_N + r
+        carry = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
@@ -259,7 +273,35 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, C
             ds = tl.load(ds_rows + offs_n[None, :], mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK),
                          other=0.0)
         dq += _dot(ds, tl.trans(kt), IEEE)
+        if REL_GRAD:  # rows and columns past SQ, SK loaded as 0: they add nothing
+            low = tl.where(lower >= 0, tl.gather(ds, tl.maximum(lower, 0), 1), 0.0)
+            high = tl.where(upper < BLOCK_N, tl.gather(ds, tl.minimum(upper, BLOCK_N - 1), 1), 0.0)
+            tl.store(chunks + start_n, carry + tl.sum(low.to(tl.float32), 0))
+            carry = tl.sum(high.to(tl.float32), 0)
+    if REL_GRAD:  # the last tile's upper half: chunk cdiv(end_n, BLOCK_N)
+        tl.store(chunks + (end_n + BLOCK_N - 1) // BLOCK_N * BLOCK_N, carry)
     _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
+
+
+@triton.jit
+def _rel_grad_reduce_kernel(DREL, GRAD, B, H, NM, CHUNKS, L, BASE, BLOCK_B: tl.constexpr, T: tl.constexpr):
+    """GRAD[h, t * T + r + BASE] = the sum over the batch b and the query blocks m of chunk
+    c = t - NM + 1 + m of (b, h, m) in DREL (see `_bwd_dq_from_ds_kernel`), for t in [0, NM + CHUNKS
+    - 1) and r in [0, T); BASE = SQ - NM * T places offset -(SQ - 1) at 0 of GRAD's L = SQ + SK - 1.
+    Each (h, t) is one program and its own T outputs, summed in one fixed order: deterministic."""
+    h = tl.program_id(0)
+    t = tl.program_id(1)
+    r = tl.arange(0, T)
+    rows = tl.arange(0, BLOCK_B)
+    acc = tl.zeros([T], dtype=tl.float32)
+    for m in range(tl.maximum(NM - 1 - t, 0), tl.minimum(NM - 1 - t + CHUNKS, NM)):  # 0 <= c < CHUNKS
+        c = t - NM + 1 + m
+        for b0 in range(0, B, BLOCK_B):
+            b = b0 + rows
+            ptrs = DREL + (((b.to(tl.int64) * H + h) * NM + m) * CHUNKS + c)[:, None] * T + r[None, :]
+            acc += tl.sum(tl.load(ptrs, mask=(b < B)[:, None], other=0.0), 0)
+    idx = t * T + r + BASE
+    tl.store(GRAD + h * L + idx, acc, mask=(idx >= 0) & (idx < L))
 
 
 @triton.jit
