@@ -5,8 +5,8 @@ the residual's gradient and h' in the residual dtype, a bf16 sublayer output (so
 writes the cast gradient). For every combination of rows per loop step, programs per SM, warps and
 software-pipelining stages, checks the outputs against the default setting's and prints the GPU time
 per call (the profiler's device time, averaged over `--iters` calls), best first; a setting whose
-results differ, or that fails to compile, is listed as such. The module's BWD_* constants are the
-defaults.
+results differ, or that fails to compile, is listed as such. The default is the module's setting
+for the residual dtype (`triton_add_norm.backward_setting`).
 
     python benchmarks/add_norm_sweep.py                                   # encoder rows, fp32 residual
     python benchmarks/add_norm_sweep.py --rows 14592 --residual bf16 --top 5
@@ -46,12 +46,13 @@ def backward_inputs(rows: int, d_model: int, residual: torch.dtype, device: str 
 def sweep(inputs: tuple, time_ms, settings=SETTINGS) -> tuple[list, list]:
     """([(ms, setting)] of the settings whose results equal the default setting's, [(setting, why)]
     of the others). time_ms(fn) times one call of fn; the module's BWD_* defaults are restored."""
-    default = (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES)
+    default = (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES, tn.BWD_STAGES_HALF)
     expected = tn._launch_bwd(*inputs, torch.bfloat16)
     timed, failed = [], []
     try:
-        for setting in settings:
+        for setting in settings:  # the stages for either residual dtype
             tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES = setting
+            tn.BWD_STAGES_HALF = tn.BWD_STAGES
             try:
                 got = tn._launch_bwd(*inputs, torch.bfloat16)
                 same = all(torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-3)
@@ -63,7 +64,7 @@ def sweep(inputs: tuple, time_ms, settings=SETTINGS) -> tuple[list, list]:
             except Exception as e:  # noqa: BLE001 - a setting that does not compile is a row too
                 failed.append((setting, f"{type(e).__name__}: {str(e)[:100]}"))
     finally:
-        tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES = default
+        tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES, tn.BWD_STAGES_HALF = default
     return timed, failed
 
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (torch.cuda.is_available() and tn._OP is not None):
         raise SystemExit("benchmarks/add_norm_sweep.py needs triton and a CUDA GPU")
     inputs = backward_inputs(args.rows, args.d_model, RESIDUALS[args.residual])
-    default = (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES)
+    default = tn.backward_setting(RESIDUALS[args.residual])
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | rows {args.rows}, d_model "
           f"{args.d_model}, {args.residual} residual | default (rows, programs/SM, warps, stages) {default}")  # fmt: skip
     timed, failed = sweep(inputs, lambda fn: kernel_ms(fn, args.iters))

@@ -302,12 +302,12 @@ def check_add_norm_sweep() -> None:
     the default setting's results, and the module's launch settings are restored afterwards."""
     from benchmarks import add_norm_sweep
 
-    default = (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES)
+    default = (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES, tn.BWD_STAGES_HALF)
     inputs = add_norm_sweep.backward_inputs(13, 40, torch.float32, device="cpu")
     settings = [(1, 2, 4, 1), (8, 16, 4, 2)]
     timed, failed = add_norm_sweep.sweep(inputs, lambda fn: (fn(), 1.0)[1], settings)
     assert [s for _, s in timed] == settings and not failed, (timed, failed)
-    assert (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES) == default
+    assert (tn.BWD_ROWS, tn.BWD_PROGRAMS_PER_SM, tn.BWD_WARPS, tn.BWD_STAGES, tn.BWD_STAGES_HALF) == default
     print("add + norm launch-setting sweep: both settings give the default's results")
 
 

@@ -27,8 +27,18 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 FWD_ROWS = 4  # rows per forward program (one 2-D tile of FWD_ROWS x d_model)
 # The backward's programs are persistent: each walks BWD_ROWS rows at a time through a share of the
 # rows, so its weight-gradient partial sums are one row of (programs, d_model).
-# Swept on an H100 over 64 settings (docs/model.md): the best with T5-base's fp32 residual stream.
+# Swept on an H100 over 64 settings (benchmarks/add_norm_sweep.py, docs/model.md): the best with
+# T5-base's fp32 residual stream. With a bf16 one (model.residual_dtype=autocast) the same setting
+# with 2 pipeline stages was the best (eighteenth session: 0.1445 against 0.1581 ms at 1 stage).
 BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, BWD_STAGES = 8, 2, 4, 1
+BWD_STAGES_HALF = 2  # BWD_STAGES when the residual stream is fp16 or bf16
+
+
+def backward_setting(residual: torch.dtype) -> tuple[int, int, int, int]:
+    """(rows per step, programs per SM, warps, stages) the backward runs with for this residual dtype."""
+    stages = BWD_STAGES_HALF if residual in (torch.float16, torch.bfloat16) else BWD_STAGES
+    return BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, stages
+
 
 if _HAS_TRITON:
     import triton
@@ -127,7 +137,7 @@ def _launch_bwd(dy, dres, h_new, weight, rstd, out_dtype: torch.dtype, wrap=lamb
     wrap(_add_rms_norm_bwd_kernel)[(programs,)](
         dy, dy if dres is None else dres, h_new, weight, rstd, dh, dout if separate else dh, parts, rows, d,
         HAS_DRES=dres is not None, SEPARATE_DOUT=separate, ROWS=BWD_ROWS, BLOCK_D=block_d,
-        HALF_W=_half(weight), STAGES=BWD_STAGES, num_warps=BWD_WARPS,
+        HALF_W=_half(weight), STAGES=backward_setting(h_new.dtype)[3], num_warps=BWD_WARPS,
     )  # fmt: skip
     return dh, dout, parts.sum(0).to(weight.dtype)
 
