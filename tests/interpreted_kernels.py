@@ -136,7 +136,7 @@ def check_attention() -> None:
                 if bias is not None:
                     _check(f"  dbias ({how})", dbias, br.grad, 3e-5)
         if with_bias:
-            _check_relative_bias(q_src, kv_src, mask_arg, key_mask, causal, heads, tag)
+            _check_relative_bias(q, k, v, q_src, kv_src, mask_arg, key_mask, causal, tag)
     _set_paths()
 
 
@@ -145,16 +145,11 @@ def check_attention() -> None:
 RELATIVE_PATHS = [("ds", "stored_bias", "kernel"), ("ds", "recompute", "kernel")]
 
 
-def _check_relative_bias(q_src, kv_src, mask_arg, key_mask, causal, heads, tag) -> None:
-    """The kernels given a relative bias (H, SQ + SK - 1): the outputs of its dense expansion, and
-    its gradient per key - query offset, against math attention on `dense_bias` of it."""
-    b, sq = q_src.shape[:2]
-    sk = sq if kv_src.numel() == 0 else kv_src.shape[1]
-    d = (q_src.shape[-1] // (3 if kv_src.numel() == 0 else 1)) // heads
-    if kv_src.numel() == 0:
-        q, k, v = (t.unflatten(-1, (heads, d)) for t in q_src.chunk(3, -1))
-    else:
-        q, (k, v) = q_src.unflatten(-1, (heads, d)), (t.unflatten(-1, (heads, d)) for t in kv_src.chunk(2, -1))
+def _check_relative_bias(q, k, v, q_src, kv_src, mask_arg, key_mask, causal, tag) -> None:
+    """The kernels given a relative bias (H, SQ + SK - 1) on the sources of q, k, v: the outputs of
+    its dense expansion, and its gradient per key - query offset, against math attention on
+    `dense_bias` of it."""
+    sq, heads, sk = q.shape[1], q.shape[2], k.shape[1]
     rel = torch.randn(heads, sq + sk - 1)
     qr, kr, vr, rel_r = (t.clone().requires_grad_() for t in (q, k, v, rel))
     ref = _math_attention(qr, kr, vr, dense_bias(rel_r, sq, sk), key_mask, causal, 0.0)
@@ -168,7 +163,7 @@ def _check_relative_bias(q_src, kv_src, mask_arg, key_mask, causal, heads, tag) 
         dq_src, dkv_src, drel = ta._launch_bwd(q_src, kv_src, rel, mask_arg, out, lse, dout.flatten(2), causal, heads)
         summed = "in the dQ kernel" if paths[1] != "recompute" and ta.relative_grad_in_kernel(key) else "densely"
         _check(f"  relative bias gradient, summed {summed} (dQ {paths[1]})", drel, rel_r.grad, 3e-5)
-        dq = dq_src[..., : heads * d]
+        dq = dq_src[..., : heads * q.shape[-1]]
         _check(f"  dq with the relative bias (dQ {paths[1]})", dq, qr.grad.flatten(2), 3e-5)
 
 

@@ -305,8 +305,9 @@ class T5Stack(nn.Module):
     ) -> PositionBias:
         """The learned bias, shared by every block of the stack: looked up once per key - query offset
         (the (heads, q_len + k_len - 1) row, `rel`) and expanded by `dense_bias` to (heads, q_len,
-        k_len) (`dense`; left out of the compiled graph where no attention reads it). Queries sit at positions q_offset .. q_offset + q_len - 1 (an int, or a 0-dim
-        device tensor when decoding into a fixed-size cache), keys at 0 .. k_len - 1."""
+        k_len) (`dense`; left out of the compiled graph where no attention reads it). Queries sit at
+        positions q_offset .. q_offset + q_len - 1 (an int, or a 0-dim device tensor when decoding
+        into a fixed-size cache), keys at 0 .. k_len - 1."""
         offsets = torch.arange(-(q_len - 1), k_len, device=device) - q_offset  # key position - query position
         buckets = relative_position_bucket(
             offsets,

@@ -34,10 +34,15 @@ BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, BWD_STAGES = 8, 2, 4, 1
 BWD_STAGES_HALF = 2  # BWD_STAGES when the residual stream is fp16 or bf16
 
 
+def _half(dtype: torch.dtype) -> bool:
+    """fp16 or bf16: rms_norm casts to a half weight's dtype, and a half residual's backward takes
+    BWD_STAGES_HALF."""
+    return dtype in (torch.float16, torch.bfloat16)
+
+
 def backward_setting(residual: torch.dtype) -> tuple[int, int, int, int]:
     """(rows per step, programs per SM, warps, stages) the backward runs with for this residual dtype."""
-    stages = BWD_STAGES_HALF if residual in (torch.float16, torch.bfloat16) else BWD_STAGES
-    return BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, stages
+    return BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, BWD_STAGES_HALF if _half(residual) else BWD_STAGES
 
 
 if _HAS_TRITON:
@@ -97,11 +102,6 @@ if _HAS_TRITON:
         tl.store(DW_PARTS + tl.program_id(0) * D + cols, tl.sum(dw, axis=0), mask=cols < D)
 
 
-def _half(weight: torch.Tensor) -> bool:
-    """A half-precision weight: rms_norm then casts the normalised x to its dtype before multiplying."""
-    return weight.dtype in (torch.float16, torch.bfloat16)
-
-
 def _launch_fwd(h, out, weight, eps: float, y_dtype: torch.dtype, wrap=lambda kernel: kernel):
     d = h.shape[-1]
     rows = h.numel() // d
@@ -111,7 +111,7 @@ def _launch_fwd(h, out, weight, eps: float, y_dtype: torch.dtype, wrap=lambda ke
     block_d = triton.next_power_of_2(d)
     wrap(_add_rms_norm_fwd_kernel)[(triton.cdiv(rows, FWD_ROWS),)](
         h, out, weight, h_new, y, rstd, rows, d, eps,
-        ROWS=FWD_ROWS, BLOCK_D=block_d, HALF_W=_half(weight),
+        ROWS=FWD_ROWS, BLOCK_D=block_d, HALF_W=_half(weight.dtype),
         num_warps=4 if block_d <= 1024 else 8,
     )  # fmt: skip
     return h_new, y, rstd
@@ -129,6 +129,7 @@ def _launch_bwd(dy, dres, h_new, weight, rstd, out_dtype: torch.dtype, wrap=lamb
     d = h_new.shape[-1]
     rows = h_new.numel() // d
     programs = _backward_programs(rows, h_new.device)
+    rows_per_step, _, warps, stages = backward_setting(h_new.dtype)
     dh = torch.empty_like(h_new)
     separate = out_dtype != h_new.dtype
     dout = torch.empty(h_new.shape if separate else (0,), dtype=out_dtype, device=h_new.device)
@@ -136,8 +137,8 @@ def _launch_bwd(dy, dres, h_new, weight, rstd, out_dtype: torch.dtype, wrap=lamb
     block_d = triton.next_power_of_2(d)
     wrap(_add_rms_norm_bwd_kernel)[(programs,)](
         dy, dy if dres is None else dres, h_new, weight, rstd, dh, dout if separate else dh, parts, rows, d,
-        HAS_DRES=dres is not None, SEPARATE_DOUT=separate, ROWS=BWD_ROWS, BLOCK_D=block_d,
-        HALF_W=_half(weight), STAGES=backward_setting(h_new.dtype)[3], num_warps=BWD_WARPS,
+        HAS_DRES=dres is not None, SEPARATE_DOUT=separate, ROWS=rows_per_step, BLOCK_D=block_d,
+        HALF_W=_half(weight.dtype), STAGES=stages, num_warps=warps,
     )  # fmt: skip
     return dh, dout, parts.sum(0).to(weight.dtype)
 
@@ -209,6 +210,6 @@ def add_rms_norm(
     if not kernel_applies(h) or h.shape != out.shape:
         return add_rms_norm_reference(h, out, weight, eps, y_dtype)
     # rms_norm's own output dtype, for y when no y_dtype is asked for
-    natural = weight.dtype if _half(weight) else torch.promote_types(torch.float32, weight.dtype)
+    natural = weight.dtype if _half(weight.dtype) else torch.promote_types(torch.float32, weight.dtype)
     h_new, y, _ = _OP(h.contiguous(), out.contiguous(), weight, eps, y_dtype or natural)
     return h_new, y
