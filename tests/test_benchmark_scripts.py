@@ -335,3 +335,23 @@ def test_trace_gaps_finds_idle_stretches_and_host_bound_launches(tmp_path, capsy
     path.write_text(json.dumps({"traceEvents": [x("cpu_op", "aten::mm", 0, 10)]}))
     with pytest.raises(SystemExit, match="no GPU kernels"):
         main([str(path)])
+
+
+def test_add_norm_sweep_says_which_output_differs_and_where():
+    from benchmarks.add_norm_sweep import differences
+
+    dh, dout, dw = torch.randn(6, 8), torch.randn(6, 8), torch.randn(8)
+    expected = (dh, torch.empty(0), dw)  # no separate dout: skipped, as the sweep's default leaves it
+    assert differences((dh.clone(), dout, dw + 1e-5), expected) == ""
+    bad = dh.clone()
+    bad[[1, 4], 3] += 0.5
+    note = differences((bad, dout, dw), expected)
+    assert note.startswith("dh max |diff| 0.5 ") and note.endswith("2 of 6 rows)")
+    assert "dweight" not in note and "dout" not in note
+    assert "dweight max |diff| 1 " in differences((dh, dout, dw + 1), expected)
+    # A bf16 output may round to the neighbouring value (the sum's order differs), not further.
+    cast = torch.tensor([[1.0, 2.0, -3.0, 100.0]], dtype=torch.bfloat16)
+    one_ulp = torch.tensor([[1.0078125, 2.015625, -3.015625, 100.5]], dtype=torch.bfloat16)
+    two_ulp = torch.tensor([[1.0, 2.0, -3.0, 101.0]], dtype=torch.bfloat16)
+    assert differences((cast, one_ulp, dw), (cast, cast, dw)) == ""
+    assert differences((cast, two_ulp, dw), (cast, cast, dw)).startswith("dout max |diff| 1 ")

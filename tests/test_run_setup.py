@@ -35,6 +35,33 @@ def test_compile_forward_passes_the_mode_and_the_model_inductor_options(monkeypa
     assert all(key in known for key in options), sorted(set(options) - set(known))
 
 
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_zero3_blocks_compile_with_the_model_inductor_options(monkeypatch, backend):
+    """Each T5 block compiled for ZeRO 3 gets the options the whole-model compile runs with (with
+    inductor; other backends take none), and the compiled forward is what a training call runs."""
+    from training.model.config import T5Config
+    from training.model.t5 import T5ForConditionalGeneration
+    from training.run_setup import MODEL_INDUCTOR_OPTIONS
+    from training.zero3_compile import _compiled_block_forward
+
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return lambda *args: ("compiled", fn(*args))
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    block = T5ForConditionalGeneration(T5Config.from_preset("tiny")).encoder.block[1]
+    forward = _compiled_block_forward(block, backend)
+    assert len(calls) == 1 and calls[0]["fullgraph"] is True and calls[0]["backend"] == backend
+    if backend == "inductor":
+        assert calls[0]["options"].items() >= MODEL_INDUCTOR_OPTIONS.items()
+    else:
+        assert calls[0]["options"] is None
+    h = torch.randn(2, 5, block.layer[0].SelfAttention.q.in_features)
+    assert forward(h, None, None)[0] == "compiled"
+
+
 def test_a_compile_mode_under_zero3_is_refused_before_the_engine_starts(tmp_path):
     cfg = load_run_config(None, ["model.preset=tiny", "model.compile_mode=reduce-overhead"])
     ds_config = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0, "train_batch_size": 8}

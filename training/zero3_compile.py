@@ -9,7 +9,8 @@ partitions ("size mismatch, got input (65536x768), vec (0)", DeepSpeed 0.19.8, t
 
 - "blocks" (default): every `T5Block` becomes a ZeRO 3 *leaf module* (DeepSpeed gathers all of a
   block's parameters in one coalesced all-gather when the block is called, and registers no hooks
-  inside it), and each block's forward is compiled as one graph (fullgraph). The hooks run around the
+  inside it), and each block's forward is compiled as one graph (fullgraph), with the inductor
+  settings of the whole-model compile (`training.run_setup.compile_options`). The hooks run around the
   compiled call, so the graph always sees whole parameters. Everything outside the blocks
   (embeddings, the final RMS norms, the head and its loss) stays eager; the final norms are compiled on
   their own. Incremental decoding (a key/value cache) runs the eager forward.
@@ -29,6 +30,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from training.run_setup import compile_options
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +81,10 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
 
 def _compiled_block_forward(block: torch.nn.Module, backend: str):
     eager = block.forward
-    compiled = torch.compile(eager, fullgraph=True, backend=backend)
+    # Inductor gets the settings the whole-model compile runs with (training.run_setup); other
+    # backends (tests use "aot_eager") take no inductor options.
+    options = compile_options() if backend == "inductor" else None
+    compiled = torch.compile(eager, fullgraph=True, backend=backend, options=options)
 
     def forward(
         h, bias, key_mask, encoder_hidden_states=None, encoder_key_mask=None, cache=None, pending=None
