@@ -178,7 +178,7 @@ def beam_search_generate(
 
     Decodes as `greedy_generate` does: a fixed-size self-attention cache and, on CUDA with
     `cuda_graph`, every step after the first replayed as one CUDA graph. A step's bookkeeping (the
-    top-k, the finished hypotheses, the reordering of the caches to follow their beams) is device
+    top-k, the finished hypotheses, the caches' history table that follows the beams) is device
     work on buffers updated in place, so it is in the graph too; the host only reads, after each
     step, whether any row can still improve."""
     if max_new_tokens < 1:
@@ -196,6 +196,11 @@ def beam_search_generate(
         mask = None if attention_mask is None else attention_mask.repeat_interleave(k, dim=0)
         position = torch.zeros((), dtype=torch.long, device=device)  # tokens generated before this step
         caches = _fixed_caches(model, position, max_new_tokens)
+        rows = torch.arange(batch * k, device=device)
+        slots = torch.arange(max_new_tokens, device=device)
+        history = rows[:, None].repeat(1, max_new_tokens)  # each row's own slots, until beams move
+        for cache in caches:
+            cache["history"] = history
         width = 1 + max_new_tokens
         running = torch.full((batch, k, width), config.pad_token_id, dtype=torch.long, device=device)
         running[:, :, 0] = config.decoder_start_token_id
@@ -236,10 +241,11 @@ def beam_search_generate(
             cont = top_scores.masked_fill(ends, float("-inf")).topk(k, dim=1).indices
             running.copy_(_pick(top_seqs, cont))
             running_scores.copy_(_pick(top_scores, cont))
+            # The caches' rows stay where they are: the history table follows the beams instead
+            # (`t5._write_cache_slot`). Slots up to this step's come from the source beam's row;
+            # later slots will be written by the row itself.
             source_rows = (_pick(top_beam, cont) + row_offset).view(-1)
-            for cache in caches:
-                for name in ("self_k", "self_v"):
-                    cache[name].copy_(cache[name].index_select(0, source_rows))
+            history.copy_(torch.where(slots <= position, history.index_select(0, source_rows), rows[:, None]))
             step_input.copy_(running.index_select(2, column).view(batch * k, 1))
 
             # HF's early_stopping=False heuristic: a row with k hypotheses whose best running beam,

