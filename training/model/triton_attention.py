@@ -323,13 +323,13 @@ def _launch_bwd(
             CAUSAL=causal, IEEE=flags["IEEE"], REL_GRAD=rel_in_kernel, D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
             num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
-    if rel_in_kernel:
-        dbias = torch.empty(bias.shape, dtype=torch.float32, device=q_src.device)
-        wrap(_rel_grad_reduce_kernel)[(H, n_m + chunks - 1)](
-            drel, dbias, B, H, n_m, chunks, SQ + SK - 1, SQ - n_m * t.block_m,
-            BLOCK_B=REL_GRAD_BLOCK_B, T=t.block_n, num_warps=4,
-        )  # fmt: skip
-        return dq_src, dkv_src, dbias
+        if rel_in_kernel:
+            dbias = torch.empty(bias.shape, dtype=torch.float32, device=q_src.device)
+            wrap(_rel_grad_reduce_kernel)[(H, n_m + chunks - 1)](
+                drel, dbias, B, H, n_m, chunks, SQ + SK - 1, SQ - n_m * t.block_m,
+                BLOCK_B=REL_GRAD_BLOCK_B, T=t.block_n, num_warps=4,
+            )  # fmt: skip
+            return dq_src, dkv_src, dbias
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
     elif ds_mode == 1:
