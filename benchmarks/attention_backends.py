@@ -206,6 +206,15 @@ def main() -> None:
         "| shape | backend | fwd ms | bwd ms | sum ms | fwd TFLOP/s | bwd TFLOP/s | err out | err dq_src | err dkv_src | err dbias |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    relative_default = ta.RELATIVE_BIAS  # run_model_path sets it per row; restored at the end
+    try:
+        run_table(args, shapes, backends)
+    finally:
+        ta.RELATIVE_BIAS = relative_default
+
+
+def run_table(args: argparse.Namespace, shapes: list[str], backends: list[str]) -> None:
+    """One row per (shape, backend): times, TFLOP/s and errors against the triton row."""
     for name in shapes:
         case = Case(name, args.batch_size, args.heads, args.d_kv)
         ref = None

@@ -287,8 +287,9 @@ def test_fixed_size_cache_decodes_one_position_without_a_decoder_mask():
 
 
 def test_cache_history_table_gathers_each_slot_from_the_row_that_wrote_it():
-    """Beam search's history table (`_write_cache_slot`): slot s of row r is read from row
-    history[r, s]; this position's slot from the row itself, as written; no table: the buffers."""
+    """Beam search's history table (`_write_cache_slot`): slot s of row r is read from the
+    flattened buffers' row history[r, s] (row' * length + s for the row' that wrote it); this
+    position's slot from the row itself, as written; no table: the buffers."""
     from training.model.t5 import _write_cache_slot
 
     rows, length, heads, d = 3, 4, 2, 5
@@ -298,12 +299,13 @@ def test_cache_history_table_gathers_each_slot_from_the_row_that_wrote_it():
     assert plain_k is cache["self_k"] and torch.equal(plain_k[:, 2:3], k) and not plain_k[:, 3].any()
     cache["self_k"].copy_(torch.randn(rows, length, heads, d))
     cache["self_v"].copy_(torch.randn(rows, length, heads, d))
-    cache["history"] = torch.tensor([[2, 0, 0, 1], [0, 0, 1, 1], [1, 2, 2, 2]])  # column 2: the rows
+    sources = torch.tensor([[2, 0, 0, 1], [0, 0, 1, 1], [1, 2, 2, 2]])  # column 2: the rows themselves
+    cache["history"] = sources * length + torch.arange(length)
     k2, v2 = torch.randn(rows, 1, heads, d), torch.randn(rows, 1, heads, d)
     got_k, got_v = _write_cache_slot(cache, "self", k2, v2)
     for r in range(rows):
         for s in range(length):
-            source = cache["history"][r, s]
+            source = sources[r, s]
             assert torch.equal(got_k[r, s], cache["self_k"][source, s])
             assert torch.equal(got_v[r, s], cache["self_v"][source, s])
     assert torch.equal(cache["self_k"][:, 2:3], k2) and torch.equal(got_k[:, 2:3], k2)  # as written

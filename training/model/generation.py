@@ -198,7 +198,10 @@ def beam_search_generate(
         caches = _fixed_caches(model, position, max_new_tokens)
         rows = torch.arange(batch * k, device=device)
         slots = torch.arange(max_new_tokens, device=device)
-        history = rows[:, None].repeat(1, max_new_tokens)  # each row's own slots, until beams move
+        # Flat indices (row * max_new_tokens + slot) into the caches' buffers: each row's own
+        # slots, until beams move (`t5._write_cache_slot`).
+        own_slots = rows[:, None] * max_new_tokens + slots
+        history = own_slots.clone()
         for cache in caches:
             cache["history"] = history
         width = 1 + max_new_tokens
@@ -245,7 +248,7 @@ def beam_search_generate(
             # (`t5._write_cache_slot`). Slots up to this step's come from the source beam's row;
             # later slots will be written by the row itself.
             source_rows = (_pick(top_beam, cont) + row_offset).view(-1)
-            history.copy_(torch.where(slots <= position, history.index_select(0, source_rows), rows[:, None]))
+            history.copy_(torch.where(slots <= position, history.index_select(0, source_rows), own_slots))
             step_input.copy_(running.index_select(2, column).view(batch * k, 1))
 
             # HF's early_stopping=False heuristic: a row with k hypotheses whose best running beam,
