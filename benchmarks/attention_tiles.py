@@ -17,13 +17,20 @@ entry, and the default it is compared with, is the tiles of the shape's class
     python benchmarks/attention_tiles.py --shape cross --kernels fwd
     python benchmarks/attention_tiles.py --shape dec --lengths 512,512 --kernels dkdv
     python benchmarks/attention_tiles.py --kernels dkdv,dq --dq-path recompute
+    python benchmarks/attention_tiles.py --kernels fwd,dkdv,dqds --maxnreg 96,128,168
+
+`--maxnreg` times each kernel at its default tiles with each cap on the registers a thread may use
+(Triton's `maxnreg` launch option) instead of sweeping tiles, and prints the registers and spills
+the compiler reports for each.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,8 +49,13 @@ SWEEPS = {  # kernel -> (its key in triton_attention.TILE_TABLES, BLOCK_M, BLOCK
 }
 
 
-def sweep(kernel: str, case: Case, args: argparse.Namespace) -> list[tuple[float, tuple]]:
-    prefix, block_ms, block_ns, warps_list, stages_list = SWEEPS[kernel]
+KERNEL_FUNCTIONS = {"fwd": "_fwd_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_kernel",
+                    "dqds": "_bwd_dq_from_ds_kernel"}  # fmt: skip
+
+
+def timed_call(kernel: str, case: Case):
+    """(call, model FLOPs per call): the forward alone for `fwd`, else the whole backward (the
+    other kernels at their default tiles are constant between rows)."""
     mask = case.q_src.new_empty((0,), dtype=torch.uint8)
     out, lse = ta._launch_fwd(case.q_src, case.kv_src, case.bias, mask, case.causal, case.h, case.far)
     # model FLOPs of attention: forward QK^T + PV; the backward counted as 2.5x (as FlashAttention does)
@@ -58,6 +70,12 @@ def sweep(kernel: str, case: Case, args: argparse.Namespace) -> list[tuple[float
             ta._launch_bwd(case.q_src, case.kv_src, case.bias, mask, out, lse, case.dout, case.causal, case.h,
                            case.far)  # fmt: skip
 
+    return call, flops
+
+
+def sweep(kernel: str, case: Case, args: argparse.Namespace) -> list[tuple[float, tuple]]:
+    prefix, block_ms, block_ns, warps_list, stages_list = SWEEPS[kernel]
+    call, flops = timed_call(kernel, case)
     table, key = ta.TILE_TABLES[prefix], ta.tile_class(case.causal, case.bias.numel() > 0, case.sq)
     default = table[key]
     rows = []
@@ -90,6 +108,61 @@ def sweep(kernel: str, case: Case, args: argparse.Namespace) -> list[tuple[float
     return rows
 
 
+@contextmanager
+def register_cap(kernel: str, cap: int | None):
+    """Launches of `kernel`'s Triton function ask the compiler for at most `cap` registers a thread
+    (the `maxnreg` launch option; None: no cap) inside the block."""
+    fn = getattr(ta, KERNEL_FUNCTIONS[kernel])
+    if cap is not None:  # an instance attribute: `fn[grid](...)` calls self.run
+        fn.run = functools.partial(type(fn).run, fn, maxnreg=cap)
+    try:
+        yield
+    finally:
+        fn.__dict__.pop("run", None)
+
+
+def last_compiled_registers(kernel: str) -> str:
+    """"registers / spills" of the variant of `kernel` compiled last (Triton's kernel cache keeps
+    them in insertion order), or "?" where this Triton version keeps them elsewhere."""
+    try:
+        caches = next(iter(getattr(ta, KERNEL_FUNCTIONS[kernel]).device_caches.values()))
+        compiled = list(caches[0].values())[-1]
+        return f"{compiled.n_regs} / {compiled.n_spills}"
+    except (AttributeError, IndexError, StopIteration, TypeError):
+        return "?"
+
+
+def sweep_registers(kernel: str, case: Case, args: argparse.Namespace) -> None:
+    """The kernel's default tiles, uncapped and with each cap of --maxnreg."""
+    call, flops = timed_call(kernel, case)
+    key = ta.tile_class(case.causal, case.bias.numel() > 0, case.sq)
+    tiles = ta.TILE_TABLES[SWEEPS[kernel][0]][key]
+    print(f"\n## {kernel}: register caps, {args.shape} b{case.b} {case.sq} x {case.sk}, tiles {tuple(tiles)} "
+          f"of class {key!r}")  # fmt: skip
+    print("| maxnreg | registers / spills a thread | ms | TFLOP/s |")
+    print("|---|---|---|---|")
+    for cap in (None, *args.maxnreg):
+        with register_cap(kernel, cap):
+            try:
+                ms = kernel_ms(call, args.iters)
+            except Exception as e:  # noqa: BLE001 - a cap the compiler refuses is a result too
+                print(f"| {cap} | {type(e).__name__}: {str(e)[:120]} | | |")
+                continue
+        print(f"| {cap or 'none'} | {last_compiled_registers(kernel)} | {ms:.4f} | {flops / ms / 1e9:.0f} |",
+              flush=True)  # fmt: skip
+
+
+def parse_caps(text: str) -> list[int]:
+    """"96,128" -> [96, 128]: register caps a thread, each within what a CUDA thread can hold (16-255)."""
+    try:
+        caps = [int(c) for c in text.split(",")] if text else []
+    except ValueError:
+        caps = [0]
+    if any(not 16 <= c <= 255 for c in caps):
+        raise SystemExit(f"--maxnreg {text}: give a comma list of register counts between 16 and 255, e.g. 96,128,168")
+    return caps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,7 +182,11 @@ def main() -> None:
                         help="the backward's dQ path (triton_attention.DQ_PATH); dqds needs stored or stored_bias")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=6, help="rows printed per kernel")
+    parser.add_argument("--maxnreg", default="",
+                        help="comma list of register caps a thread (e.g. 96,128,168): time each kernel's default "
+                             "tiles with each cap instead of sweeping tiles")  # fmt: skip
     args = parser.parse_args()
+    args.maxnreg = parse_caps(args.maxnreg)
     has_bias = SHAPES[args.shape][3]
     lengths = None
     if args.lengths:
@@ -141,7 +218,7 @@ def main() -> None:
     if not has_bias:
         case.bias, case.far = case.bias.new_empty((0,)), 0
     for kernel in kernels:
-        sweep(kernel, case, args)
+        (sweep_registers if args.maxnreg else sweep)(kernel, case, args)
 
 
 if __name__ == "__main__":

@@ -199,6 +199,30 @@ def test_attention_tiles_refuses_a_dq_kernel_the_backward_does_not_run(argv, run
     assert r.returncode != 0 and f"the backward runs {runs}, not {other}" in r.stderr, r.stderr[-500:]
 
 
+@pytest.mark.parametrize("caps", ["96,abc", "8", "96,300"])
+def test_attention_tiles_refuses_register_caps_a_thread_cannot_have(caps):
+    r = subprocess.run([sys.executable, "benchmarks/attention_tiles.py", "--maxnreg", caps],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and "between 16 and 255" in r.stderr, r.stderr[-500:]
+
+
+def test_attention_tiles_register_cap_reaches_the_launch_and_goes_away(monkeypatch):
+    """`--maxnreg`: inside `register_cap` a launch of the kernel's Triton function carries the cap
+    (checked at JITFunction.run, where Triton reads launch options); after it, launches carry none."""
+    pytest.importorskip("triton")
+    from benchmarks import attention_tiles as at
+    from training.model import triton_attention as ta
+
+    fn = ta._bwd_dkdv_kernel
+    seen = []
+    monkeypatch.setattr(type(fn), "run", lambda self, *args, **kwargs: seen.append((self, kwargs.get("maxnreg"))))
+    with at.register_cap("dkdv", 128):
+        fn[(1,)](0)
+        ta._fwd_kernel[(1,)](0)  # another kernel: uncapped
+    fn[(1,)](0)
+    assert seen == [(fn, 128), (ta._fwd_kernel, None), (fn, None)] and "run" not in fn.__dict__
+
+
 def test_gemm_shapes_count_the_model_flops():
     """benchmarks/gemm_shapes.py times every linear layer's GEMMs: three passes of its shapes must
     add up to the model's FLOPs without attention (training.model.flops, the anchors' convention)."""
