@@ -311,6 +311,26 @@ def test_cache_history_table_gathers_each_slot_from_the_row_that_wrote_it():
     assert torch.equal(cache["self_k"][:, 2:3], k2) and torch.equal(got_k[:, 2:3], k2)  # as written
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_cross_attention_groups_of_rows_share_one_encoder_row(q_len):
+    """Beam search keeps the encoder output at one row per input: k consecutive decoder rows attend
+    to encoder row i. The result equals that of the encoder output repeated k times, padding mask
+    included; query rows that are not whole groups are refused."""
+    model = _tiny(seed=4)
+    attn = model.decoder.block[0].layer[1].EncDecAttention
+    batch, groups, k_len, d_model = 3, 4, 9, model.config.d_model
+    enc = torch.randn(batch, k_len, d_model)
+    mask = torch.ones(batch, k_len, dtype=torch.bool)
+    mask[1, 6:] = False
+    x = torch.randn(batch * groups, q_len, d_model)
+    repeated = attn(x, kv_input=enc.repeat_interleave(groups, 0), key_mask=mask.repeat_interleave(groups, 0))
+    grouped = attn(x, kv_input=enc, key_mask=mask)
+    torch.testing.assert_close(grouped, repeated, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(grouped[4:8], attn(x[4:8], kv_input=enc[:1], key_mask=mask[:1]), atol=1e-3)
+    with pytest.raises(ValueError, match="whole groups of consecutive rows"):
+        attn(x[:-1], kv_input=enc, key_mask=mask)
+
+
 class _NoHostReads(TorchDispatchMode):
     """Fails on aten._local_scalar_dense, the op that every read of a tensor's value on the host goes
     through (`.item()`, `bool(t)`, `int(t)`, and `x[t]` with a 0-dim integer tensor t)."""

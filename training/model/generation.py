@@ -190,10 +190,12 @@ def beam_search_generate(
     was_training = model.training
     model.eval()
     try:
-        # Every beam of a row attends to that row's encoder output: rows are (batch * k), beam-major
-        # within a row, and the cross-attention k/v computed at the first step never need reordering.
-        encoder_out = model.encoder(input_ids, attention_mask).repeat_interleave(k, dim=0)
-        mask = None if attention_mask is None else attention_mask.repeat_interleave(k, dim=0)
+        # Every beam of a row attends to that row's encoder output: rows are (batch * k), the k beams
+        # of an input consecutive. The encoder output stays at one row per input: the cross-attention
+        # computes its k/v once per input and reads them once for the input's k beams (`T5Attention`),
+        # and they never need reordering.
+        encoder_out = model.encoder(input_ids, attention_mask)
+        mask = attention_mask
         position = torch.zeros((), dtype=torch.long, device=device)  # tokens generated before this step
         caches = _fixed_caches(model, position, max_new_tokens)
         rows = torch.arange(batch * k, device=device)

@@ -145,6 +145,19 @@ class T5Attention(nn.Module):
                 kv_src = F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
                 if cache is not None:
                     cache[f"{cache_prefix}_kv"] = kv_src  # packed [k | v], as the fused kernel reads it
+        if kv_src is not None and kv_src.shape[0] != b:
+            # Rows that share an encoder output (beam search's beams of one input): without a bias or
+            # a causal mask each query attends on its own, so a group's queries are one sequence's.
+            # The keys and values are then computed, kept and read once per input, not per beam.
+            groups = b // kv_src.shape[0]
+            if bias is not None or causal or groups * kv_src.shape[0] != b:
+                raise ValueError(
+                    f"cross-attention of {b} query rows over an encoder output of {kv_src.shape[0]} rows: "
+                    "the query rows must be whole groups of consecutive rows, one group per encoder row"
+                )
+            q_src = q_src.reshape(kv_src.shape[0], groups * sq, q_src.shape[-1])
+            out = packed_attention(q_src, kv_src, self.n_heads, None, key_mask, False, self.backend, dropout_p)
+            return self.o(out.reshape(b, sq, out.shape[-1]))
         if cache is None or kv_input is not None:  # attention reads the fused projection outputs as they are
             # The stack's bias is T5's relative one (queries from position 0 here): constant per head
             # from this distance on, which the fused kernel can use.
