@@ -334,6 +334,36 @@ def check_ffn_epilogue() -> None:
         k.configs = configs
 
 
+def check_decode_attention() -> None:
+    """`triton_decode_attention` against the gather + math attention it replaces: one query per row
+    over fixed-size caches, with and without beam search's history table, at the first, a middle
+    and the last slot, fp32 and bf16 (slots past the position hold garbage the kernel must skip)."""
+    from training.model.triton_decode_attention import decode_attention
+
+    rows, length, heads, d = 6, 37, 2, 16  # 37 slots: partial blocks of the kernel's 32
+    gen = torch.Generator().manual_seed(3)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for position in (0, 17, length - 1):
+            q_src = torch.randn(rows, 1, 3 * heads * d, generator=gen).to(dtype)
+            q = q_src[..., : heads * d].view(rows, 1, heads, d)  # strided, as the model's view
+            k_buf = torch.randn(rows, length, heads, d, generator=gen).to(dtype)
+            v_buf = torch.randn(rows, length, heads, d, generator=gen).to(dtype)
+            bias = torch.randn(heads, 1, length, generator=gen)
+            sources = torch.randint(0, rows, (rows, length), generator=gen)
+            sources[:, position] = torch.arange(rows)  # the slot being written: the row's own
+            history = sources * length + torch.arange(length)
+            pos = torch.tensor(position)
+            visible = (torch.arange(length) <= position).expand(rows, length)
+            for table in (None, history):
+                k_all, v_all = k_buf, v_buf
+                if table is not None:
+                    k_all, v_all = (t.flatten(0, 1)[table.view(-1)].view(t.shape) for t in (k_buf, v_buf))
+                expected = _math_attention(q.float(), k_all.float(), v_all.float(), bias, visible, False, 0.0)
+                got = decode_attention(q, k_buf, v_buf, table, bias, pos)
+                tag = f"decode attention, {'history table' if table is not None else 'own slots'}"
+                _check(f"{tag}, slot {position}, {str(dtype)[6:]}", got.view(rows, 1, heads, d), expected, tol)
+
+
 def check_model() -> None:
     """A tiny T5 (padding in encoder and decoder) with attention_backend='triton' against 'math':
     the kernels as the model calls them (packed projections, the relative bias expanded per head,
@@ -385,6 +415,30 @@ def check_model() -> None:
     _set_paths()
 
 
+def check_generation() -> None:
+    """Greedy decoding and 3-beam search of a tiny T5 with attention_backend='triton' (decoding's
+    self-attention through `triton_decode_attention`, the beams' cross-attention as groups of query
+    rows) give the tokens of attention_backend='math'."""
+    torch.manual_seed(5)
+    model = T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math", num_layers=2)).eval()
+    ids = torch.randint(2, 32128, (3, 11))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, -4:] = 0
+
+    def tokens(backend: str, num_beams: int) -> torch.Tensor:
+        for m in model.modules():
+            if hasattr(m, "backend"):
+                m.backend = backend
+        return model.generate(ids, attention_mask=attention_mask, max_new_tokens=6, num_beams=num_beams)
+
+    for num_beams in (1, 3):
+        expected, got = tokens("math", num_beams), tokens("triton", num_beams)
+        name = "greedy" if num_beams == 1 else f"{num_beams}-beam search"
+        print(f"{'tiny T5 ' + name + ' tokens, triton against math':<64} {'equal' if torch.equal(got, expected) else 'DIFFER'}")
+        if not torch.equal(got, expected):
+            raise SystemExit(f"MISMATCH: {name} tokens\n{got}\n{expected}")
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit(
@@ -399,6 +453,8 @@ def main() -> None:
     check_add_norm_sweep()
     check_ffn_epilogue()
     check_model()
+    check_decode_attention()
+    check_generation()
     print("ALL KERNEL CHECKS PASSED")
 
 

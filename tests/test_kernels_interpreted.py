@@ -55,6 +55,11 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     for dq_path in ("stored", "stored_bias"):
         assert f"tiny T5 loss, triton attention (bias gradient path ds, dQ {dq_path})" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, far tiles)" in proc.stdout
+    # decoding: the self-attention kernel over fixed-size caches, and whole generate() calls
+    for table in ("own slots", "history table"):
+        assert f"decode attention, {table}, slot 36, bfloat16" in proc.stdout
+    for name in ("greedy", "3-beam search"):
+        assert f"tiny T5 {name} tokens, triton against math" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, dS summed by torch)" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, dQ stored_bias, relative bias)" in proc.stdout
     # a relative bias's gradient, summed by the dQ-from-dS kernel (square tiles) and densely
