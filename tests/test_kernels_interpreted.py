@@ -139,3 +139,27 @@ def test_the_atomic_bias_gradient_refuses_deterministic_mode(monkeypatch):
             ta._launch_bwd(*_backward_inputs())
     finally:
         set_deterministic(False)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs the triton package (pip install triton)"
+)
+def test_decode_attention_refuses_inputs_it_would_misread():
+    """`triton_decode_attention.decode_attention` checks shapes and layouts before any launch: a cache
+    of another shape, a non-contiguous buffer, heads not side by side, a history of another shape."""
+    import torch
+
+    from training.model.triton_decode_attention import decode_attention
+
+    rows, length, heads, d = 3, 8, 2, 16
+    q = torch.randn(rows, 1, 3 * heads * d)[..., : heads * d].view(rows, 1, heads, d)
+    k, v = torch.randn(rows, length, heads, d), torch.randn(rows, length, heads, d)
+    bias, position = torch.zeros(heads, 1, length), torch.tensor(2)
+    with pytest.raises(ValueError, match="expected"):
+        decode_attention(q, k[:2], v[:2], None, bias, position)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_attention(q, k.transpose(0, 1).contiguous().transpose(0, 1), v, None, bias, position)
+    with pytest.raises(ValueError, match="side by side"):
+        decode_attention(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, None, bias, position)
+    with pytest.raises(ValueError, match="history of shape"):
+        decode_attention(q, k, v, torch.zeros(rows, length + 1, dtype=torch.long), bias, position)
