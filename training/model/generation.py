@@ -195,7 +195,6 @@ def beam_search_generate(
         # computes its k/v once per input and reads them once for the input's k beams (`T5Attention`),
         # and they never need reordering.
         encoder_out = model.encoder(input_ids, attention_mask)
-        mask = attention_mask
         position = torch.zeros((), dtype=torch.long, device=device)  # tokens generated before this step
         caches = _fixed_caches(model, position, max_new_tokens)
         rows = torch.arange(batch * k, device=device)
@@ -226,7 +225,7 @@ def beam_search_generate(
         def step() -> None:  # device work only (no host sync), so that it can be captured
             column = (position + 1).view(1)  # where this step's token goes in the sequences
             norm = length_norm.index_select(0, position.view(1))  # not length_norm[position]: a host read
-            logits = _decode_step(model, step_input, encoder_out, mask, caches).float()
+            logits = _decode_step(model, step_input, encoder_out, attention_mask, caches).float()
             vocab = logits.shape[-1]
             scores = torch.log_softmax(logits, dim=-1).view(batch, k, vocab) + running_scores[:, :, None]
             top_scores, top_index = scores.view(batch, k * vocab).topk(2 * k, dim=1)  # sorted, best first

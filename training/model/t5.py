@@ -158,7 +158,9 @@ class T5Attention(nn.Module):
                     "the query rows must be whole groups of consecutive rows, one group per encoder row"
                 )
             q_src = q_src.reshape(kv_src.shape[0], groups * sq, q_src.shape[-1])
-            out = packed_attention(q_src, kv_src, self.n_heads, None, key_mask, False, self.backend, dropout_p)
+            out = packed_attention(
+                q_src, kv_src, self.n_heads, None, key_mask, False, self.backend, dropout_p
+            )
             return self.o(out.reshape(b, sq, out.shape[-1]))
         if cache is None or kv_input is not None:  # attention reads the fused projection outputs as they are
             # The stack's bias is T5's relative one (queries from position 0 here): constant per head
@@ -187,7 +189,9 @@ class T5Attention(nn.Module):
     def _decode_kernel_applies(self, device: torch.device) -> bool:
         """Whether decoding's self-attention runs `triton_decode_attention` (the `triton` backend,
         `auto` on CUDA included, and a head size the kernel takes)."""
-        return resolve_backend(self.backend, device) == "triton" and triton_decode_attention.supports(self.d_kv)
+        return resolve_backend(self.backend, device) == "triton" and triton_decode_attention.supports(
+            self.d_kv
+        )
 
 
 def _write_cache_slot(
@@ -212,8 +216,7 @@ def _write_cache_slot(
     # (row, slot) index pairs: 6.6 against 1.5 ms a beam-search step, H100). The table holds the
     # flat indices already, so no block recomputes them.
     return tuple(
-        cache[name].flatten(0, 1).index_select(0, history.view(-1)).view(cache[name].shape)
-        for name in (f"{prefix}_k", f"{prefix}_v")
+        buf.flatten(0, 1).index_select(0, history.view(-1)).view(buf.shape) for buf in (k_buf, v_buf)
     )
 
 
