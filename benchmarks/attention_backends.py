@@ -8,6 +8,9 @@ it: packed projection outputs in, the gradients of the bias included where there
 - `triton`: ours (training/model/triton_attention.py), with the model's defaults.
 - `triton-rel`: ours given T5's relative bias row (heads, Sq + Sk - 1) instead of the dense bias,
   summing its gradient per key - query offset in the dQ kernel (`triton_attention.RELATIVE_BIAS`).
+- `triton-split`: ours with the backward of short queries (the decoder's, the cross-attention's)
+  as the dK/dV and dQ kernels of long queries instead of the one-block kernel
+  (`triton_attention.ONE_BLOCK_BWD` off).
 - `cudnn`: cuDNN's fused attention through the cudnn-frontend Python graph API, as the model's
   `cudnn` backend runs it (training/model/cudnn_attention.py; needs `nvidia-cudnn-frontend`): the
   bias as a (1, H, Sq, Sk) tensor and its gradient dBias, which cuDNN sums over the batch itself,
@@ -55,7 +58,7 @@ from training.model.attention import (  # noqa: E402
 )
 from training.model.cudnn_attention import head_views  # noqa: E402
 
-BACKENDS = ("triton", "triton-rel", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
+BACKENDS = ("triton", "triton-rel", "triton-split", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
 SHAPES = {  # name -> (query length, key length, causal, has a bias)
     "enc": (512, 512, False, True),
     "dec": (114, 114, True, True),
@@ -100,15 +103,17 @@ def run_model_path(case: Case, backend: str, compiled: bool):
     """(forward call, forward + backward call, outputs) of the model's `packed_attention` with this
     backend, compiled as in the training step (inductor fuses the launchers' torch glue: the
     backward's rowsum(dO * O), the bias gradient's batch sum, the bias's cast for cuDNN) or eager.
-    `triton-rel` takes the relative row, the others the dense bias. Outputs: out, dq_src, dkv_src,
+    `triton-rel` takes the relative row, the others the dense bias; `triton-split` runs without
+    the one-block backward. Outputs: out, dq_src, dkv_src,
     and the gradient of the bias leaf (the row's for `triton-rel`)."""
     q_src = case.q_src.detach().requires_grad_()
     kv_src = case.kv_src.detach().requires_grad_() if case.kv_src.numel() else None
     relative = backend == "triton-rel" and case.rel.numel() > 0
     ta.RELATIVE_BIAS = backend == "triton-rel"  # read when packed_attention is traced or called
+    ta.ONE_BLOCK_BWD = backend != "triton-split"
     bias = (case.rel if relative else case.bias).detach().requires_grad_() if case.bias.numel() else None
     leaves = [t for t in (q_src, kv_src, bias) if t is not None]
-    backend = backend.removesuffix("-rel")
+    backend = backend.removesuffix("-rel").removesuffix("-split")
 
     def attend():
         dense, rel = (dense_bias(bias, case.sq, case.sk), bias) if relative else (bias, None)
@@ -206,11 +211,11 @@ def main() -> None:
         "| shape | backend | fwd ms | bwd ms | sum ms | fwd TFLOP/s | bwd TFLOP/s | err out | err dq_src | err dkv_src | err dbias |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    relative_default = ta.RELATIVE_BIAS  # run_model_path sets it per row; restored at the end
+    defaults = ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD  # run_model_path sets them per row; restored at the end
     try:
         run_table(args, shapes, backends)
     finally:
-        ta.RELATIVE_BIAS = relative_default
+        ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD = defaults
 
 
 def run_table(args: argparse.Namespace, shapes: list[str], backends: list[str]) -> None:
@@ -220,7 +225,7 @@ def run_table(args: argparse.Namespace, shapes: list[str], backends: list[str]) 
         ref = None
         for backend in backends:
             try:
-                if backend in ("triton", "triton-rel", "cudnn"):
+                if backend in ("triton", "triton-rel", "triton-split", "cudnn"):
                     fwd, fwd_bwd, outputs = run_model_path(case, backend, args.compile)
                 else:
                     fwd, fwd_bwd, outputs = run_sdpa(case, backend)

@@ -6,14 +6,16 @@ decoder's (114 x 114, causal, bias) or the cross-attention (114 x 512, no bias),
 projection outputs, the bias's gradient included where there is one. Each kernel is swept alone,
 the others at their defaults: the forward, the dK/dV kernel and the dQ kernel, or, where the
 backward takes dQ from the dS that the dK/dV kernel stores, the kernel that computes dQ = dS K
-(`dqds`). Prints the GPU time per call (the profiler's device time of every kernel of the call,
+(`dqds`); where the queries fit one block (the decoder's and the cross-attention's 114), the
+one-block kernel that computes the whole backward (`oneblock`). Prints the GPU time per call (the profiler's device time of every kernel of the call,
 averaged over `--iters` calls, so launch gaps at the small shapes do not count) and the attention
 TFLOP/s of each configuration, best first, and the winner as environment variables. The swept
 entry, and the default it is compared with, is the tiles of the shape's class
 (triton_attention.tile_class: the kind of attention, and whether its queries are short).
 
     python benchmarks/attention_tiles.py                    # encoder, batch 128, the full sweep
-    python benchmarks/attention_tiles.py --shape dec --kernels dkdv,dqds
+    python benchmarks/attention_tiles.py --shape dec --kernels oneblock    # 114 queries: the one-block backward
+    python benchmarks/attention_tiles.py --shape dec --no-one-block --kernels dkdv,dqds
     python benchmarks/attention_tiles.py --shape cross --kernels fwd
     python benchmarks/attention_tiles.py --shape dec --lengths 512,512 --kernels dkdv
     python benchmarks/attention_tiles.py --kernels dkdv,dq --dq-path recompute
@@ -46,11 +48,13 @@ SWEEPS = {  # kernel -> (its key in triton_attention.TILE_TABLES, BLOCK_M, BLOCK
     "dkdv": ("DKDV", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
     "dq": ("DQ", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
     "dqds": ("DQDS", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),  # dQ = dS K (DQ_PATH "stored")
+    # the one-block backward of short queries (ONE_BLOCK_BWD): BLOCK_M is the most query rows it takes
+    "oneblock": ("ONEBLOCK", (ta.SHORT_QUERIES,), (16, 32, 64, 128), (4, 8), (1, 2, 3)),
 }
 
 
 KERNEL_FUNCTIONS = {"fwd": "_fwd_kernel", "dkdv": "_bwd_dkdv_kernel", "dq": "_bwd_dq_kernel",
-                    "dqds": "_bwd_dq_from_ds_kernel"}  # fmt: skip
+                    "dqds": "_bwd_dq_from_ds_kernel", "oneblock": "_bwd_one_block_kernel"}  # fmt: skip
 
 
 def timed_call(kernel: str, case: Case):
@@ -90,6 +94,7 @@ def sweep(kernel: str, case: Case, args: argparse.Namespace) -> list[tuple[float
     table[key] = default
     rows.sort()
     what = "forward" if kernel == "fwd" else f"whole backward (dQ + dK/dV + dbias sum; dQ {ta.DQ_PATH})"
+    what = "whole backward (the one-block kernel + dbias sum)" if kernel == "oneblock" else what
     print(f"\n## {kernel}: {what}, {args.shape} b{case.b} {case.sq} x {case.sk} h{case.h} d{case.d}, "
           f"causal={'yes' if case.causal else 'no'}, bias={'yes' if case.bias.numel() else 'no'}, "
           f"tiles of class {key!r}")  # fmt: skip
@@ -177,9 +182,13 @@ def main() -> None:
     parser.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None,
                         help="--no-bias drops the shape's bias (default: the shape's own, none for cross)")  # fmt: skip
     parser.add_argument("--kernels", default="",
-                        help="comma list of fwd, dkdv, dq, dqds (default: the forward and the backward's kernels)")
+                        help="comma list of fwd, dkdv, dq, dqds, oneblock (default: the forward and the backward's "
+                             "kernels)")  # fmt: skip
     parser.add_argument("--dq-path", default=ta.DQ_PATH, choices=ta.DQ_PATHS,
                         help="the backward's dQ path (triton_attention.DQ_PATH); dqds needs stored or stored_bias")
+    parser.add_argument("--one-block", action=argparse.BooleanOptionalAction, default=ta.ONE_BLOCK_BWD,
+                        help="the one-block backward where the queries are short (triton_attention.ONE_BLOCK_BWD); "
+                             "--no-one-block sweeps the dK/dV and dQ kernels there")  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=6, help="rows printed per kernel")
     parser.add_argument("--maxnreg", default="",
@@ -204,8 +213,19 @@ def main() -> None:
     has_bias = has_bias and args.bias is not False
     # the kernel that computes dQ with these settings: from the stored dS, or the recomputing dQ kernel
     dq_kernel = "dqds" if args.dq_path == "stored" or (args.dq_path == "stored_bias" and has_bias) else "dq"
-    kernels = [k.strip() for k in (args.kernels or f"fwd,dkdv,{dq_kernel}").split(",")]
+    ta.ONE_BLOCK_BWD = args.one_block
+    queries = lengths[0] if lengths else SHAPES[args.shape][0]
+    key = ta.tile_class(SHAPES[args.shape][2], has_bias, queries)
+    one_block = ta.one_block_applies(key, queries, has_bias)
+    default_kernels = "fwd,oneblock" if one_block else f"fwd,dkdv,{dq_kernel}"
+    kernels = [k.strip() for k in (args.kernels or default_kernels).split(",")]
     other = {"dq": "dqds", "dqds": "dq"}[dq_kernel]
+    if one_block and set(kernels) & {"dkdv", "dq", "dqds"}:
+        raise SystemExit(f"--kernels {args.kernels}: {queries} queries fit one block, so the backward runs the "
+                         f"one-block kernel (oneblock): add --no-one-block to sweep the dK/dV and dQ kernels")  # fmt: skip
+    if not one_block and "oneblock" in kernels:
+        raise SystemExit(f"--kernels oneblock: the backward runs the one-block kernel only with at most "
+                         f"{ta.SHORT_QUERIES} queries (--shape dec or cross) and without --no-one-block")  # fmt: skip
     if other in kernels:
         raise SystemExit(f"--kernels {other}: with --dq-path {args.dq_path} and {'a' if has_bias else 'no'} bias "
                          f"the backward runs {dq_kernel}, not {other} (dqds needs --dq-path stored, or stored_bias "

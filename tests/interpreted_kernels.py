@@ -47,6 +47,10 @@ ta.DQDS_TILES.update({
     "enc": ta.Tiles(16, 16, 4, 1), "dec": ta.Tiles(16, 16, 4, 1), "enc-short": ta.Tiles(32, 32, 4, 1),
     "dec-short": ta.Tiles(16, 32, 4, 1),
 })  # fmt: skip
+# The one-block backward of short queries (at most 24 rows here): several key blocks, a partial last one.
+ta.ONE_BLOCK_TILES.update({
+    "enc-short": ta.Tiles(24, 16, 4, 1), "dec-short": ta.Tiles(24, 16, 4, 1), "cross-short": ta.Tiles(24, 32, 4, 1),
+})  # fmt: skip
 
 # (batch, q length, k length, causal, padded keys, with a bias (H, SQ, SK) shared by the batch)
 ATTENTION_CASES = [
@@ -74,25 +78,29 @@ def _check(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> 
         raise SystemExit(f"MISMATCH: {name}: {err:.2e} >= {tol:.0e}")
 
 
-# (bias-gradient path, dQ path, who sums the stored dS) the backward is checked with: every
-# bias-gradient path with dQ recomputed, the stored dS summed by torch, and dQ from the dS the dK/dV
-# kernel stores (which sums dS for the bias gradient).
-BACKWARD_PATHS = [(path, "recompute", "kernel") for path in ta.DBIAS_PATHS] + [
-    ("ds", "recompute", "torch"),
-    ("ds", "stored", "kernel"),
+# (bias-gradient path, dQ path, who sums the stored dS, one-block backward for short queries) the
+# backward is checked with: the two kernels (dK/dV, dQ) with every bias-gradient path and dQ
+# recomputed, the stored dS summed by torch, and dQ from the dS the dK/dV kernel stores (which sums
+# dS for the bias gradient); and the one-block kernel where the queries are short.
+BACKWARD_PATHS = [(path, "recompute", "kernel", False) for path in ta.DBIAS_PATHS] + [
+    ("ds", "recompute", "torch", False),
+    ("ds", "stored", "kernel", False),
+    ("ds", "stored_bias", "kernel", True),
+    ("ds", "recompute", "torch", True),
 ]
 
 
-def _backward_tag(dbias_path: str, dq_path: str, ds_sum: str) -> str:
+def _backward_tag(dbias_path: str, dq_path: str, ds_sum: str, one_block: bool) -> str:
     tag = f"bias gradient path {dbias_path}" + ("" if dq_path == "recompute" else f", dQ {dq_path}")
-    return tag + (f", dS summed by {ds_sum}" if dbias_path == "ds" and ds_sum != "kernel" else "")
+    tag += f", dS summed by {ds_sum}" if dbias_path == "ds" and ds_sum != "kernel" else ""
+    return tag + (", one-block backward" if one_block else "")
 
 
-DEFAULT_PATHS = (ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM)
+DEFAULT_PATHS = (ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM, ta.ONE_BLOCK_BWD)
 
 
-def _set_paths(*paths: str) -> None:
-    ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM = paths or DEFAULT_PATHS
+def _set_paths(*paths) -> None:
+    ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM, ta.ONE_BLOCK_BWD = paths or DEFAULT_PATHS
 
 
 def check_attention() -> None:
@@ -121,6 +129,8 @@ def check_attention() -> None:
             _check(f"{tag} out", out, ref.detach().flatten(2), 3e-5)
             for paths in BACKWARD_PATHS:
                 _set_paths(*paths)
+                if ta.ONE_BLOCK_BWD and not ta.one_block_applies(ta.tile_class(causal, with_bias, sq), sq, with_bias):
+                    continue  # long queries: the two kernels, as the paths without the one-block kernel
                 dq_src, dkv_src, dbias = ta._launch_bwd(
                     q_src, kv_src, bias_arg, mask_arg, out, lse, dout.flatten(2), causal, heads
                 )
@@ -141,8 +151,13 @@ def check_attention() -> None:
 
 
 # The paths a relative bias's gradient is checked with: dQ from the stored dS (its sums in the dQ
-# kernel where the tiles are square) and dQ recomputed (the dense gradient's diagonal sums).
-RELATIVE_PATHS = [("ds", "stored_bias", "kernel"), ("ds", "recompute", "kernel")]
+# kernel where the tiles are square), dQ recomputed (the dense gradient's diagonal sums), and the
+# one-block kernel where the queries are short (dense too).
+RELATIVE_PATHS = [
+    ("ds", "stored_bias", "kernel", False),
+    ("ds", "recompute", "kernel", False),
+    ("ds", "stored_bias", "kernel", True),
+]
 
 
 def _check_relative_bias(q, k, v, q_src, kv_src, mask_arg, key_mask, causal, tag) -> None:
@@ -161,16 +176,21 @@ def _check_relative_bias(q, k, v, q_src, kv_src, mask_arg, key_mask, causal, tag
     for paths in RELATIVE_PATHS:
         _set_paths(*paths)
         dq_src, dkv_src, drel = ta._launch_bwd(q_src, kv_src, rel, mask_arg, out, lse, dout.flatten(2), causal, heads)
-        summed = "in the dQ kernel" if paths[1] != "recompute" and ta.relative_grad_in_kernel(key) else "densely"
-        _check(f"  relative bias gradient, summed {summed} (dQ {paths[1]})", drel, rel_r.grad, 3e-5)
+        one_block = ta.one_block_applies(key, sq, True)
+        if paths[3] and not one_block:
+            continue  # long queries: the two kernels, as the paths without the one-block kernel
+        in_kernel = paths[1] != "recompute" and ta.relative_grad_in_kernel(key) and not one_block
+        how = "one-block backward" if one_block else f"dQ {paths[1]}"
+        summed = "in the dQ kernel" if in_kernel else "densely"
+        _check(f"  relative bias gradient, summed {summed} ({how})", drel, rel_r.grad, 3e-5)
         dq = dq_src[..., : heads * q.shape[-1]]
-        _check(f"  dq with the relative bias (dQ {paths[1]})", dq, qr.grad.flatten(2), 3e-5)
+        _check(f"  dq with the relative bias ({how})", dq, qr.grad.flatten(2), 3e-5)
 
 
 FAR_TILE_PATHS = {
-    "ds": ("ds", "recompute", "kernel"),
-    "atomic": ("atomic", "recompute", "kernel"),
-    "dQ stored": ("ds", "stored", "kernel"),
+    "ds": ("ds", "recompute", "kernel", False),
+    "atomic": ("atomic", "recompute", "kernel", False),
+    "dQ stored": ("ds", "stored", "kernel", False),
 }
 
 
@@ -397,15 +417,15 @@ def check_model() -> None:
     ref_loss, ref_grads = run("math")
     default_far = ta.FAR_TILES
     default_relative = ta.RELATIVE_BIAS
-    cases = [(*paths, False, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias", "kernel")]]
-    cases.append(("ds", "recompute", "kernel", True, False))
-    cases.append(("ds", "stored_bias", "kernel", False, True))  # the kernels given the relative bias
-    for dbias_path, dq_path, ds_sum, far_tiles, relative in cases:
-        _set_paths(dbias_path, dq_path, ds_sum)
+    cases = [(*paths, False, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias", "kernel", False)]]
+    cases.append(("ds", "recompute", "kernel", False, True, False))
+    cases.append(("ds", "stored_bias", "kernel", True, False, True))  # the kernels given the relative bias
+    for dbias_path, dq_path, ds_sum, one_block, far_tiles, relative in cases:
+        _set_paths(dbias_path, dq_path, ds_sum, one_block)
         ta.FAR_TILES = ta.FAR_TILE_KERNELS if far_tiles else ()
         ta.RELATIVE_BIAS = relative
         loss, grads = run("triton")
-        tag = _backward_tag(dbias_path, dq_path, ds_sum) + (", far tiles" if far_tiles else "")
+        tag = _backward_tag(dbias_path, dq_path, ds_sum, one_block) + (", far tiles" if far_tiles else "")
         tag += ", relative bias" if relative else ""
         _check(f"tiny T5 loss, triton attention ({tag})", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))

@@ -111,16 +111,18 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias", args)  # fmt: skip
+                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias,nooneblock",
+                      args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True,
-                     tiles_per_class=False, triton_add_norm=False, relative_bias=True)  # fmt: skip
+                     tiles_per_class=False, triton_add_norm=False, relative_bias=True, one_block=False)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert default["triton_add_norm"] and default["relative_bias"] == ta.RELATIVE_BIAS
     assert parse_variant("densebias,relbias", args)["relative_bias"]
     assert not parse_variant("relbias,densebias", args)["relative_bias"]
+    assert default["one_block"] == ta.ONE_BLOCK_BWD and parse_variant("nooneblock,oneblock", args)["one_block"]
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
     assert default["tiles_per_class"] and parse_variant("enctiles,classtiles", args)["tiles_per_class"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
@@ -133,7 +135,7 @@ def test_model_benchmark_variant_items_parse():
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "torchnorm", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic", "enctiles", "densebias" if ta.RELATIVE_BIAS else "relbias",
-               "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel",
+               "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel", "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock",
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
@@ -168,7 +170,9 @@ def test_enctiles_runs_every_attention_with_the_encoders_tiles_and_restores_them
         with pytest.raises(RuntimeError, match="out of memory"):
             bench.run_variant(bench.parse_variant(spec, args), args, torch.device("cpu"))
         assert {name: dict(table) for name, table in tables.items()} == before
-    assert all(tiles == table["enc"] for table in seen[0].values() for tiles in table.values())
+    # every table with an encoder entry; the one-block kernel's (short queries only) keeps its tiles
+    assert all(tiles == table["enc"] for table in seen[0].values() if "enc" in table for tiles in table.values())
+    assert seen[0]["ONEBLOCK"] == before["ONEBLOCK"]
     assert seen[1] == before and before["DKDV"]["dec-short"] != before["DKDV"]["enc"]
 
 
@@ -197,6 +201,23 @@ def test_attention_tiles_refuses_a_dq_kernel_the_backward_does_not_run(argv, run
     r = subprocess.run([sys.executable, "benchmarks/attention_tiles.py", "--kernels", f"dkdv,{other}", *argv],
                        cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode != 0 and f"the backward runs {runs}, not {other}" in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [(["--shape", "dec", "--kernels", "dkdv"], "add --no-one-block"),
+     (["--shape", "cross", "--kernels", "fwd,dq"], "add --no-one-block"),
+     (["--kernels", "oneblock"], "only with at most 128 queries"),
+     (["--shape", "dec", "--no-one-block", "--kernels", "oneblock"], "without --no-one-block"),
+     (["--shape", "dec", "--lengths", "512,512", "--kernels", "oneblock"], "only with at most 128 queries")],
+)  # fmt: skip
+def test_attention_tiles_refuses_kernels_the_one_block_backward_does_not_run(argv, says):
+    """Where the queries fit one block the backward is the one-block kernel alone: sweeping the
+    dK/dV or dQ kernel there would time nothing that changes, and so would sweeping the one-block
+    kernel where it does not run."""
+    r = subprocess.run([sys.executable, "benchmarks/attention_tiles.py", *argv],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and says in r.stderr, r.stderr[-500:]
 
 
 @pytest.mark.parametrize("caps", ["96,abc", "8", "96,300"])

@@ -55,16 +55,27 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     for dq_path in ("stored", "stored_bias"):
         assert f"tiny T5 loss, triton attention (bias gradient path ds, dQ {dq_path})" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, far tiles)" in proc.stdout
+    # the one-block backward of short queries: self-attention (causal, bias), cross-attention, the model
+    for line in (
+        "dq|dk|dv (bias gradient path ds, dQ stored_bias, one-block backward)",
+        "dk|dv (bias gradient path ds, dQ stored_bias, one-block backward)",
+        "dbias (bias gradient path ds, dS summed by torch, one-block backward)",
+        "relative bias gradient, summed densely (one-block backward)",
+        "tiny T5 loss, triton attention (bias gradient path ds, dQ stored_bias, one-block backward)",
+    ):
+        assert line in proc.stdout, line
     # decoding: the self-attention kernel over fixed-size caches, and whole generate() calls
     for table in ("own slots", "history table"):
         assert f"decode attention, {table}, slot 36, bfloat16" in proc.stdout
     for name in ("greedy", "3-beam search"):
         assert f"tiny T5 {name} tokens, triton against math" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, dS summed by torch)" in proc.stdout
-    assert "tiny T5 loss, triton attention (bias gradient path ds, dQ stored_bias, relative bias)" in proc.stdout
-    # a relative bias's gradient, summed by the dQ-from-dS kernel (square tiles) and densely
+    relative = "tiny T5 loss, triton attention (bias gradient path ds, dQ stored_bias, one-block backward, relative bias)"
+    assert relative in proc.stdout
+    # a relative bias's gradient, summed by the dQ-from-dS kernel (square tiles) and densely (7 cases
+    # of the two kernels, 2 of the one-block kernel)
     assert proc.stdout.count("relative bias gradient, summed in the dQ kernel") == 5
-    assert proc.stdout.count("relative bias gradient, summed densely") == 7
+    assert proc.stdout.count("relative bias gradient, summed densely") == 9
     assert proc.stdout.count("dS summed over the batch") == 4  # 2 shapes x 2 dtypes
     assert proc.stdout.count("FFN epilogue") == 6  # 2 kernel pairs x 3 tensors
     assert proc.stdout.count("with and without far tiles") == 27  # 3 shapes x 3 paths x 3 tensors
@@ -79,12 +90,16 @@ def test_tile_variables_set_a_kernels_tiles_for_every_class():
     default = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                                         check=True).stdout)  # fmt: skip
     env = dict(os.environ, T5DS_ATTN_DKDV_BN="16", T5DS_ATTN_BWD_WARPS="8", T5DS_ATTN_DQ_WARPS="2",
-               T5DS_ATTN_FWD_STAGES="5")  # fmt: skip
+               T5DS_ATTN_FWD_STAGES="5", T5DS_ATTN_ONEBLOCK_BN="32")  # fmt: skip
     tuned = json.loads(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                                       check=True).stdout)  # fmt: skip
     classes = {"enc", "dec", "cross", "enc-short", "dec-short", "cross-short"}
-    assert set(default) == {"FWD", "DKDV", "DQ", "DQDS"}
-    assert all(set(default[kernel]) == classes for kernel in default)
+    assert set(default) == {"FWD", "DKDV", "DQ", "DQDS", "ONEBLOCK"}
+    assert all(set(default[kernel]) == classes for kernel in default if kernel != "ONEBLOCK")
+    # the one-block backward: the short classes, up to 128 queries; its own variables only
+    assert set(default["ONEBLOCK"]) == {"enc-short", "dec-short", "cross-short"}
+    for key, (bm, _, warps, stages) in default["ONEBLOCK"].items():
+        assert bm == 128 and tuned["ONEBLOCK"][key] == [bm, 32, warps, stages]
     for key, (bm, _, _, stages) in default["DKDV"].items():
         assert tuned["DKDV"][key] == [bm, 16, 8, stages]
         assert tuned["DQDS"][key] == [*default["DQDS"][key][:2], 8, default["DQDS"][key][3]]
@@ -112,6 +127,52 @@ def test_attention_backward_switches_refuse_what_they_cannot_run(dq_path, dbias_
     monkeypatch.setattr(ta, "DS_SUM", ds_sum)
     with pytest.raises(ValueError, match=message):
         ta._launch_bwd(*_backward_inputs())
+
+
+def test_one_block_backward_applies_to_short_queries_with_a_bias_gradient_from_ds(monkeypatch):
+    """The one-block kernel takes the backward of attentions whose queries fit its tile (the short
+    classes, at most 128 rows), with the bias gradient summed from dS; the other bias-gradient
+    paths and ONE_BLOCK_BWD off keep the two kernels. No triton needed."""
+    from training.model import triton_attention as ta
+
+    monkeypatch.setattr(ta, "ONE_BLOCK_BWD", True)
+    monkeypatch.setattr(ta, "DBIAS_PATH", "ds")
+    for causal, has_bias in ((True, True), (False, False), (False, True)):
+        assert ta.one_block_applies(ta.tile_class(causal, has_bias, 114), 114, has_bias)
+        assert ta.one_block_applies(ta.tile_class(causal, has_bias, 128), 128, has_bias)
+        assert not ta.one_block_applies(ta.tile_class(causal, has_bias, 129), 129, has_bias)
+    monkeypatch.setattr(ta, "DBIAS_PATH", "atomic")
+    assert not ta.one_block_applies("dec-short", 114, True)
+    assert ta.one_block_applies("cross-short", 114, False)
+    monkeypatch.setattr(ta, "ONE_BLOCK_BWD", False)
+    assert not ta.one_block_applies("cross-short", 114, False)
+
+
+def test_launch_settings_digest_every_setting_the_launchers_read(monkeypatch):
+    """`launch_settings()` goes into the attention ops' arguments so that torch.compile's caches
+    cannot hand a graph traced under other settings back: it must change with every path, switch
+    and tile the launchers read, and stay the same from process to process (warm caches still hit)."""
+    from training.model import triton_attention as ta
+
+    base = ta.launch_settings()
+    changes = [("DQ_PATH", "recompute"), ("DBIAS_PATH", "atomic"), ("DS_SUM", "torch"), ("FAR_TILES", ()),
+               ("ONE_BLOCK_BWD", not ta.ONE_BLOCK_BWD), ("RELATIVE_BIAS", not ta.RELATIVE_BIAS),
+               ("DS_SUM_BLOCK", 512), ("DELTA_BLOCK_M", 32), ("SHORT_QUERIES", 64)]  # fmt: skip
+    for name, value in changes:
+        with monkeypatch.context() as m:
+            m.setattr(ta, name, value)
+            assert ta.launch_settings() != base, name
+    assert ta.launch_settings() == base
+    with monkeypatch.context() as m:
+        m.setitem(ta.DKDV_TILES, "dec-short", ta.Tiles(16, 16, 4, 1))
+        assert ta.launch_settings() != base
+    code = "from training.model import triton_attention as ta; print(ta.launch_settings())"
+    digests = [
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, **env), capture_output=True,
+                       text=True, check=True).stdout.strip()
+        for env in ({}, {}, {"T5DS_ATTN_ONEBLOCK_BN": "32"})
+    ]  # fmt: skip
+    assert digests[0] == digests[1] == base != digests[2]
 
 
 def _backward_inputs() -> tuple:

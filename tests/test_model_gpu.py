@@ -82,6 +82,47 @@ def test_dq_from_stored_ds_matches_math(case, dtype, monkeypatch):
     (test_triton_matches_math_fp32 if dtype == "fp32" else test_triton_matches_math_bf16)(case)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] <= ta.SHORT_QUERIES], ids=str)
+def test_short_queries_without_the_one_block_backward_match_math(case, dtype, monkeypatch):
+    """ONE_BLOCK_BWD off: short queries take the dK/dV and dQ kernels of long ones (the tests above
+    run the one-block kernel, the default, on these cases)."""
+    monkeypatch.setattr(ta, "ONE_BLOCK_BWD", False)
+    (test_triton_matches_math_fp32 if dtype == "fp32" else test_triton_matches_math_bf16)(case)
+
+
+def test_compiled_attention_follows_the_switches_through_the_compile_caches(monkeypatch):
+    """A switch read inside the op's launcher when torch.compile traces it (here ONE_BLOCK_BWD)
+    changes the compiled kernels with AOTAutograd's and inductor's caches on: without
+    `launch_settings()` in the op's arguments, the second compile below got the first one's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+
+    def backward_kernels(one_block: bool) -> set:
+        monkeypatch.setattr(ta, "ONE_BLOCK_BWD", one_block)
+        torch._dynamo.reset()
+        attend = torch.compile(
+            lambda q, kv: ta.t5_flash_attention_packed(q, kv, 4, None, None, False), fullgraph=True
+        )
+        q = torch.randn(2, 100, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(2, 200, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        attend(q, kv).sum().backward()  # compiles
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            attend(q, kv).sum().backward()
+            torch.cuda.synchronize()
+        return {e.key for e in prof.key_averages() if "_bwd_" in e.key}
+
+    try:
+        first, second, third = backward_kernels(True), backward_kernels(False), backward_kernels(True)
+    finally:
+        torch._dynamo.reset()
+    assert any("one_block" in k for k in first) and not any("dkdv" in k for k in first), first
+    assert any("dkdv" in k for k in second) and not any("one_block" in k for k in second), second
+    assert third == first
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_math_bf16(case):
     b, sq, sk, with_bias, with_mask, causal = case

@@ -31,7 +31,9 @@ run config's `deterministic`), classtiles|enctiles (each attention's tiles by it
 length, or the encoder's for every attention: triton_attention.tile_class and its tile tables),
 relbias|densebias (the fused kernel takes T5's relative bias row and sums its gradient per key -
 query offset in its dQ kernel, or the dense (heads, q, k) bias and returns a dense gradient per
-layer; triton_attention.RELATIVE_BIAS). Each
+layer; triton_attention.RELATIVE_BIAS), oneblock|nooneblock (the backward of attention with at most
+128 queries, the decoder's and the cross-attention's, as one kernel per batch element and head, or
+as the dK/dV and dQ kernels of longer queries; triton_attention.ONE_BLOCK_BWD). Each
 variant prints one table row, ending with the loss of the last step and the sum of every parameter
 after it (two runs of the same variant are bit-identical when both are); --json appends one JSON
 object per variant to a file. The attention tiles
@@ -69,13 +71,14 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
-    from training.model.triton_attention import DQ_PATH, DS_SUM, FAR_TILES, RELATIVE_BIAS
+    from training.model.triton_attention import DQ_PATH, DS_SUM, FAR_TILES, ONE_BLOCK_BWD, RELATIVE_BIAS
 
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
         deterministic=False, tiles_per_class=True, triton_add_norm=True, relative_bias=RELATIVE_BIAS,
+        one_block=ONE_BLOCK_BWD,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -114,6 +117,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["tiles_per_class"] = item == "classtiles"
         elif item in ("relbias", "densebias"):
             variant["relative_bias"] = item == "relbias"
+        elif item in ("oneblock", "nooneblock"):
+            variant["one_block"] = item == "oneblock"
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -146,6 +151,7 @@ def variant_label(v: dict) -> str:
     notes += ["deterministic"] if v["deterministic"] else []
     notes += [] if v["tiles_per_class"] else ["encoder tiles everywhere"]
     notes += ["relative bias"] if v["relative_bias"] else []
+    notes += [] if v["one_block"] else ["no one-block backward"]
     return ", ".join([v["attention"], *notes])
 
 
@@ -153,25 +159,27 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import triton_add_norm, triton_gated_gelu
     from training.model import triton_attention as ta
 
-    defaults = (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, triton_gated_gelu.ENABLED,
-                triton_add_norm.ENABLED)  # fmt: skip
+    defaults = (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD,
+                triton_gated_gelu.ENABLED, triton_add_norm.ENABLED)  # fmt: skip
     tables = ta.TILE_TABLES.values()
     default_tiles = [dict(table) for table in tables]
     ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
     ta.FAR_TILES, ta.RELATIVE_BIAS = variant["far_tiles"], variant["relative_bias"]
+    ta.ONE_BLOCK_BWD = variant["one_block"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     triton_add_norm.ENABLED = variant["triton_add_norm"]
     if not variant["tiles_per_class"]:  # the encoder's tiles everywhere, as before the sixteenth session
         for table in tables:
-            table.update(dict.fromkeys(table, table["enc"]))
+            if "enc" in table:  # (the one-block kernel's table has the short classes only)
+                table.update(dict.fromkeys(table, table["enc"]))
     # Per variant, so after the matmul ceiling's first cuBLAS call (set_deterministic asks for before):
     # cuBLAS keeps the workspace it started with, and two deterministic runs were bit-identical anyway.
     set_deterministic(variant["deterministic"])
     try:
         return _run_variant(variant, args, device)
     finally:
-        (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, triton_gated_gelu.ENABLED,
-         triton_add_norm.ENABLED) = defaults  # fmt: skip
+        (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD,
+         triton_gated_gelu.ENABLED, triton_add_norm.ENABLED) = defaults  # fmt: skip
         for table, tiles in zip(tables, default_tiles):
             table.update(tiles)
         set_deterministic(False)

@@ -28,17 +28,23 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
 - `_bwd_dq_kernel` (`DQ_PATH` "recompute", and attention without a bias by default): grid (q
   blocks, B*H); recomputes P and accumulates dQ; with a bias it also stores dS for the bias gradient
   (`DBIAS_PATH = "ds"`), or adds dS into one fp32 (H, Sq, Sk) buffer with atomic adds (`"atomic"`).
+- `_bwd_one_block_kernel` (ONE_BLOCK_BWD, queries that fit one tile: T5's 114 targets): grid
+  (B*H,); the whole backward in one pass over the key blocks, each block's dK and dV stored at
+  once, dQ kept in registers; stores dS where there is a bias, for the bias gradient's sum.
 - `_delta_kernel`: grid (q blocks, B*H); rowsum(dO * O) per query row, which every backward
   kernel reads.
 - `_bwd_dbias_kernel` (`DBIAS_PATH = "kernel"`): grid (q blocks, k blocks, H); recomputes P and
   dO V^T for every batch element of its tile and sums dS in registers (no buffer, two extra small
   GEMMs per tile and batch element).
 
-Wrapped with `torch.library.triton_op` so torch.compile traces it without graph breaks.
+Wrapped with `torch.library.triton_op` so torch.compile traces it without graph breaks; the ops
+take `launch_settings()`, a digest of the module settings above, so that compile caches cannot
+hand back a graph traced under other settings.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from typing import NamedTuple
@@ -109,8 +115,22 @@ DKDV_TILES = {
 }
 DQ_TILES = dict.fromkeys(TILE_CLASSES, _tiles("DQ", 64, 64, 4, 3))
 DQDS_TILES = dict.fromkeys(TILE_CLASSES, _tiles("DQDS", 64, 64, 4, 3))
+# The one-block backward (ONE_BLOCK_BWD) of the short classes: BLOCK_M is the most query rows it
+# takes (the kernel runs with the power of two that holds them, 16 at least), BLOCK_N keys per step.
+# fp32 operands (no autocast) take twice the shared memory: at most 64 keys and 2 stages there.
+ONE_BLOCK_TILES = {
+    "enc-short": _tiles("ONEBLOCK", SHORT_QUERIES, 128, 8, 2),
+    "dec-short": _tiles("ONEBLOCK", SHORT_QUERIES, 64, 8, 1),
+    "cross-short": _tiles("ONEBLOCK", SHORT_QUERIES, 128, 8, 3),
+}
 # The tables by kernel, for what sets or sweeps them all (the benchmark's `enctiles`, attention_tiles.py)
-TILE_TABLES = {"FWD": FWD_TILES, "DKDV": DKDV_TILES, "DQ": DQ_TILES, "DQDS": DQDS_TILES}
+TILE_TABLES = {
+    "FWD": FWD_TILES,
+    "DKDV": DKDV_TILES,
+    "DQ": DQ_TILES,
+    "DQDS": DQDS_TILES,
+    "ONEBLOCK": ONE_BLOCK_TILES,
+}
 DBIAS_TILES = _tiles("DBIAS", 64, 64, 4, 2)  # the dbias kernel (DBIAS_PATH "kernel"), every class
 # The stored dS's sum over the batch: BLOCK elements of one batch element per program, BLOCK_B batch
 # elements per step.
@@ -126,6 +146,7 @@ if _HAS_TRITON:
         _bwd_dkdv_kernel,
         _bwd_dq_from_ds_kernel,
         _bwd_dq_kernel,
+        _bwd_one_block_kernel,
         _delta_kernel,
         _ds_batch_sum_kernel,
         _fwd_kernel,
@@ -242,6 +263,13 @@ DQ_PATH = "stored_bias"
 # the bias table. Off: the sums cost more in the dQ kernel than the second read of dS they save (an
 # encoder layer's backward 1.75 ms against 1.63, eighteenth session, docs/model.md).
 RELATIVE_BIAS = False
+# Attention whose queries fit one tile (at most ONE_BLOCK_TILES[class].block_m rows: T5's 114
+# targets, in the decoder's self-attention and the cross-attention) runs its backward as one kernel
+# per (batch, head), `_bwd_one_block_kernel`: each key block meets the one query block once, so dK
+# and dV need no walk over query blocks and dQ no second kernel. Where there is a bias it stores dS
+# for the bias gradient's sum; the other bias-gradient paths (DBIAS_PATH "atomic", "kernel") keep
+# the two kernels. Benchmark variant `nooneblock` (False), attention_backends.py's `triton-split`.
+ONE_BLOCK_BWD = True
 REL_GRAD_BLOCK_B = _env_int("T5DS_ATTN_REL_GRAD_BLOCK_B", 16)  # rows per step of `_rel_grad_reduce_kernel`
 
 
@@ -270,10 +298,14 @@ def _launch_bwd(
             f"triton_attention.DQ_PATH 'stored' stores dS, from which the bias gradient is summed: set "
             f"DBIAS_PATH to 'ds' (it is {DBIAS_PATH!r}) or DQ_PATH to 'recompute' or 'stored_bias'"
         )
-    dq_from_ds = DQ_PATH == "stored" or (DQ_PATH == "stored_bias" and flags["HAS_BIAS"] and DBIAS_PATH == "ds")
+    key = tile_class(causal, flags["HAS_BIAS"], SQ)
+    one_block = one_block_applies(key, SQ, flags["HAS_BIAS"])
+    dq_from_ds = not one_block and (
+        DQ_PATH == "stored" or (DQ_PATH == "stored_bias" and flags["HAS_BIAS"] and DBIAS_PATH == "ds")
+    )
     # ds_mode (the dQ kernel's DS_MODE): 1 = a (B, H, SQ, SK) dS buffer for the bias gradient (written
-    # by the dQ kernel, or by the dK/dV kernel for dQ from dS); 2 = an fp32 (H, SQ, SK) buffer that the
-    # dQ kernel adds dS into; 0 = none.
+    # by the dQ kernel, by the dK/dV kernel for dQ from dS, or by the one-block kernel); 2 = an fp32
+    # (H, SQ, SK) buffer that the dQ kernel adds dS into; 0 = none.
     ds_mode = 1 if dq_from_ds else 0 if not flags["HAS_BIAS"] else {"ds": 1, "atomic": 2, "kernel": 0}[DBIAS_PATH]
     if ds_mode == 2 and torch.are_deterministic_algorithms_enabled():
         raise RuntimeError(
@@ -281,8 +313,10 @@ def _launch_bwd(
             "deterministic: set it to 'ds' (the default) or 'kernel', or turn deterministic algorithms off"
         )
     ds = q_src.new_empty((0,))
-    if ds_mode == 1:  # causal: tiles above the diagonal are never visited, so they must read as 0
-        ds = (torch.zeros if causal else torch.empty)((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
+    if ds_mode == 1:  # causal: tiles above the diagonal are never visited (but by the one-block kernel),
+        # so they must read as 0
+        alloc = torch.zeros if causal and not one_block else torch.empty
+        ds = alloc((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
     elif ds_mode == 2:
         ds = torch.zeros((H, SQ, SK), dtype=torch.float32, device=q_src.device)
     # rowsum(dO * O) per query row, (B, H, SQ)
@@ -291,21 +325,32 @@ def _launch_bwd(
         dout, out, delta, *dout.stride()[:2], *out.stride()[:2], H, SQ, D=D, BLOCK_M=DELTA_BLOCK_M,
         EVEN_M=SQ % DELTA_BLOCK_M == 0, num_warps=4,
     )  # fmt: skip
-    key = tile_class(causal, flags["HAS_BIAS"], SQ)
-    if not dq_from_ds:
+    if one_block:
+        t = ONE_BLOCK_TILES[key]
+        if flags["IEEE"]:  # fp32 tiles: twice the bytes of the bf16 ones the table is tuned for
+            t = t._replace(block_n=min(t.block_n, 64), stages=min(t.stages, 2))
+        block_m = max(16, triton.next_power_of_2(SQ))
+        wrap(_bwd_one_block_kernel)[(B * H,)](
+            q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, dkv_src, ds, *strides, *dq_src.stride()[:2],
+            *dkv.stride()[:2], k_off, v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal,
+            STORE_DS=ds_mode == 1, PACKED_GRAD=kv_src.numel() == 0, D=D, BLOCK_M=block_m, BLOCK_N=t.block_n,
+            num_warps=t.warps, num_stages=t.stages, EVEN_M=SQ == block_m, EVEN_N=SK % t.block_n == 0,
+        )  # fmt: skip
+    elif not dq_from_ds:
         t = DQ_TILES[key]
         wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, t.block_m), B * H)](
             q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
             H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode, D=D,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
-    t = DKDV_TILES[key]
-    wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, t.block_n), B * H)](
-        q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
-        H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal,
-        STORE_DS=dq_from_ds, D=D,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
-    )  # fmt: skip
+    if not one_block:
+        t = DKDV_TILES[key]
+        wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, t.block_n), B * H)](
+            q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
+            H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal,
+            STORE_DS=dq_from_ds, D=D,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
+        )  # fmt: skip
     relative = flags["HAS_BIAS"] and bias.dim() == 2
     rel_in_kernel = relative and dq_from_ds and relative_grad_in_kernel(key)
     if dq_from_ds:
@@ -348,6 +393,19 @@ def _launch_bwd(
     return dq_src, dkv_src, diagonal_sums(dbias) if relative else dbias
 
 
+def one_block_applies(tile_key: str, queries: int, has_bias: bool) -> bool:
+    """Whether the backward of an attention of this TILE_CLASSES key and query length runs as the
+    one-block kernel (ONE_BLOCK_BWD): its queries fit the class's one-block tile, and a bias's
+    gradient, if any, is summed from the stored dS (DBIAS_PATH "ds")."""
+    tiles = ONE_BLOCK_TILES.get(tile_key)
+    return (
+        ONE_BLOCK_BWD
+        and tiles is not None
+        and queries <= tiles.block_m
+        and (not has_bias or DBIAS_PATH == "ds")
+    )
+
+
 def relative_grad_in_kernel(tile_key: str) -> bool:
     """Whether a relative bias's gradient is summed by the dQ-from-dS kernel (square tiles) for the
     attentions of this TILE_CLASSES key, when dQ comes from the stored dS; else `diagonal_sums`."""
@@ -379,6 +437,8 @@ if _HAS_TRITON and hasattr(torch.library, "triton_op"):
 
     # Every tensor a kernel writes is allocated here and passed whole (offsets are ints): the kernels
     # never write through a view, which inductor's functionalisation could hand over as a copy.
+    # `settings` (launch_settings()) is not read: it is there so that compile caches tell graphs
+    # traced under other module settings apart.
     @triton_op("t5ds::flash_attention_fwd", mutates_args={})
     def _flash_fwd_op(
         q_src: torch.Tensor,
@@ -388,6 +448,7 @@ if _HAS_TRITON and hasattr(torch.library, "triton_op"):
         causal: bool,
         heads: int,
         far: int,
+        settings: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads, far, wrap=wrap_triton)
 
@@ -403,25 +464,26 @@ if _HAS_TRITON and hasattr(torch.library, "triton_op"):
         causal: bool,
         heads: int,
         far: int,
+        settings: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _launch_bwd(q_src, kv_src, bias, key_mask, out, lse, dout, causal, heads, far, wrap=wrap_triton)
 
     def _setup_context(ctx, inputs, output):
-        q_src, kv_src, bias, key_mask, causal, heads, far = inputs
+        q_src, kv_src, bias, key_mask, causal, heads, far, settings = inputs
         ctx.save_for_backward(q_src, kv_src, bias, key_mask, *output)
-        ctx.causal, ctx.heads, ctx.far = causal, heads, far
+        ctx.causal, ctx.heads, ctx.far, ctx.settings = causal, heads, far, settings
 
     def _backward(ctx, dout, dlse):
         q_src, kv_src, bias, key_mask, out, lse = ctx.saved_tensors
         dq_src, dkv_src, dbias = _flash_bwd_op(
-            q_src, kv_src, bias, key_mask, out, lse, dout, ctx.causal, ctx.heads, ctx.far
+            q_src, kv_src, bias, key_mask, out, lse, dout, ctx.causal, ctx.heads, ctx.far, ctx.settings
         )
-        return _grads_or_none(kv_src, bias, dq_src, dkv_src, dbias)
+        return (*_grads_or_none(kv_src, bias, dq_src, dkv_src, dbias), None)
 
     _flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
     def _fwd(q_src, kv_src, bias, key_mask, causal, heads, far):
-        return _flash_fwd_op(q_src, kv_src, bias, key_mask, causal, heads, far)
+        return _flash_fwd_op(q_src, kv_src, bias, key_mask, causal, heads, far, launch_settings())
 
 elif _HAS_TRITON:  # older torch: a plain autograd.Function (graph break under torch.compile)
 
@@ -441,6 +503,21 @@ elif _HAS_TRITON:  # older torch: a plain autograd.Function (graph break under t
 
     def _fwd(q_src, kv_src, bias, key_mask, causal, heads, far):
         return _FlashFunction.apply(q_src, kv_src, bias, key_mask, causal, heads, far)
+
+
+@torch.compiler.assume_constant_result
+def launch_settings() -> str:
+    """A digest of every module setting the launchers read when torch.compile traces them (the
+    backward's paths and switches, far tiles, tile tables). The custom ops take it as an argument:
+    AOTAutograd's and inductor's compile caches key a graph on the ops and their arguments, not on
+    the Python the ops ran when traced, so without it a graph traced under other settings (a
+    benchmark's previous variant, a process with other T5DS_ATTN_* tiles) could come back from the
+    cache with that graph's kernels (seen in the twenty-first session, docs/model.md)."""
+    settings = (
+        DBIAS_PATH, DQ_PATH, DS_SUM, RELATIVE_BIAS, ONE_BLOCK_BWD, FAR_TILES, SHORT_QUERIES, TILE_TABLES,
+        DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
+    )  # fmt: skip
+    return hashlib.sha1(repr(settings).encode()).hexdigest()[:16]
 
 
 def _grads_or_none(kv_src, bias, dq_src, dkv_src, dbias):

@@ -235,6 +235,48 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
 
 
 @triton.jit
+def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DKV, DS,
+                          sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, sdkb, sdks, K_OFF, V_OFF,
+                          H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
+                          HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
+                          CAUSAL: tl.constexpr, IEEE: tl.constexpr, STORE_DS: tl.constexpr,
+                          PACKED_GRAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """dQ, dK and dV of one (batch, head) whose SQ <= BLOCK_M queries are one block (T5's 114
+    targets): walks the key blocks once. Each key block has this one query block to see, so its dK
+    and dV are final after one tile and are stored at once, while dQ gathers in registers: one pass,
+    5 GEMMs and one exp2 per score, where the two kernels of longer queries take 7 and two (or a
+    round trip of dS through memory). STORE_DS: also stores dS (B, H, SQ, SK) for the bias
+    gradient. PACKED_GRAD (self-attention): dK and dV go into DQ, the [q | k | v] source's gradient,
+    and DKV is not read (one buffer passed twice would be two written arguments to torch.compile,
+    which copies one of them)."""
+    if PACKED_GRAD:
+        DKV = DQ
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.arange(0, BLOCK_M)
+    q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
+    do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
+    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start_n in range(0, SK, BLOCK_N):  # every key: BLOCK_M >= SQ reaches the causal diagonal's end
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+        vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
+        bias = _bias_tile(BIAS, h, 0, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
+        p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+                                   CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
+        if STORE_DS:
+            tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :],
+                     ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+        ds = ds.to(q.dtype)
+        _store_rows(DKV + V_OFF, _dot(tl.trans(p.to(do.dtype)), do, IEEE), b, h, offs_n, sdkb, sdks, SK, D)
+        _store_rows(DKV + K_OFF, _dot(tl.trans(ds), q, IEEE), b, h, offs_n, sdkb, sdks, SK, D)
+        dq += _dot(ds, tl.trans(kt), IEEE)
+    _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
+
+
+@triton.jit
 def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, CAUSAL_OFFSET, CHUNKS,
                            CAUSAL: tl.constexpr, IEEE: tl.constexpr, REL_GRAD: tl.constexpr, D: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
