@@ -150,14 +150,16 @@ def test_one_block_backward_applies_to_short_queries_with_a_bias_gradient_from_d
 
 def test_launch_settings_digest_every_setting_the_launchers_read(monkeypatch):
     """`launch_settings()` goes into the attention ops' arguments so that torch.compile's caches
-    cannot hand a graph traced under other settings back: it must change with every path, switch
-    and tile the launchers read, and stay the same from process to process (warm caches still hit)."""
+    cannot hand a graph traced under other settings or code back: it must change with every path,
+    switch and tile the launchers read and with their source, and stay the same from process to
+    process (warm caches still hit)."""
     from training.model import triton_attention as ta
 
     base = ta.launch_settings()
     changes = [("DQ_PATH", "recompute"), ("DBIAS_PATH", "atomic"), ("DS_SUM", "torch"), ("FAR_TILES", ()),
                ("ONE_BLOCK_BWD", not ta.ONE_BLOCK_BWD), ("RELATIVE_BIAS", not ta.RELATIVE_BIAS),
-               ("DS_SUM_BLOCK", 512), ("DELTA_BLOCK_M", 32), ("SHORT_QUERIES", 64)]  # fmt: skip
+               ("DS_SUM_BLOCK", 512), ("DELTA_BLOCK_M", 32), ("SHORT_QUERIES", 64),
+               ("_SOURCE_DIGEST", "another checkout's launchers and kernels")]  # fmt: skip
     for name, value in changes:
         with monkeypatch.context() as m:
             m.setattr(ta, name, value)

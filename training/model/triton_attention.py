@@ -32,7 +32,7 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
   (B*H,); the whole backward in one pass over the key blocks, each block's dK and dV stored at
   once, dQ kept in registers; stores dS where there is a bias, for the bias gradient's sum.
 - `_delta_kernel`: grid (q blocks, B*H); rowsum(dO * O) per query row, which every backward
-  kernel reads.
+  kernel but the one-block one reads.
 - `_bwd_dbias_kernel` (`DBIAS_PATH = "kernel"`): grid (q blocks, k blocks, H); recomputes P and
   dO V^T for every batch element of its tile and sums dS in registers (no buffer, two extra small
   GEMMs per tile and batch element).
@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -319,24 +320,24 @@ def _launch_bwd(
         ds = alloc((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
     elif ds_mode == 2:
         ds = torch.zeros((H, SQ, SK), dtype=torch.float32, device=q_src.device)
-    # rowsum(dO * O) per query row, (B, H, SQ)
-    delta = torch.empty((B, H, SQ), dtype=torch.float32, device=q_src.device)
-    wrap(_delta_kernel)[(triton.cdiv(SQ, DELTA_BLOCK_M), B * H)](
-        dout, out, delta, *dout.stride()[:2], *out.stride()[:2], H, SQ, D=D, BLOCK_M=DELTA_BLOCK_M,
-        EVEN_M=SQ % DELTA_BLOCK_M == 0, num_warps=4,
-    )  # fmt: skip
-    if one_block:
+    if one_block:  # (computes rowsum(dO * O) itself)
         t = ONE_BLOCK_TILES[key]
         if flags["IEEE"]:  # fp32 tiles: twice the bytes of the bf16 ones the table is tuned for
             t = t._replace(block_n=min(t.block_n, 64), stages=min(t.stages, 2))
         block_m = max(16, triton.next_power_of_2(SQ))
         wrap(_bwd_one_block_kernel)[(B * H,)](
-            q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, dkv_src, ds, *strides, *dq_src.stride()[:2],
-            *dkv.stride()[:2], k_off, v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal,
-            STORE_DS=ds_mode == 1, PACKED_GRAD=kv_src.numel() == 0, D=D, BLOCK_M=block_m, BLOCK_N=t.block_n,
+            q_src, kv, kbias, key_mask, dout, out, lse, dq_src, dkv_src, ds, *strides, *out.stride()[:2],
+            *dq_src.stride()[:2], *dkv.stride()[:2], k_off, v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags,
+            CAUSAL=causal, STORE_DS=ds_mode == 1, PACKED_GRAD=kv_src.numel() == 0, D=D, BLOCK_M=block_m, BLOCK_N=t.block_n,
             num_warps=t.warps, num_stages=t.stages, EVEN_M=SQ == block_m, EVEN_N=SK % t.block_n == 0,
         )  # fmt: skip
-    elif not dq_from_ds:
+    else:  # rowsum(dO * O) per query row, (B, H, SQ), for the kernels below
+        delta = torch.empty((B, H, SQ), dtype=torch.float32, device=q_src.device)
+        wrap(_delta_kernel)[(triton.cdiv(SQ, DELTA_BLOCK_M), B * H)](
+            dout, out, delta, *dout.stride()[:2], *out.stride()[:2], H, SQ, D=D, BLOCK_M=DELTA_BLOCK_M,
+            EVEN_M=SQ % DELTA_BLOCK_M == 0, num_warps=4,
+        )  # fmt: skip
+    if not one_block and not dq_from_ds:
         t = DQ_TILES[key]
         wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, t.block_m), B * H)](
             q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, ds, *strides, *dq_src.stride()[:2], k_off, v_off,
@@ -505,15 +506,28 @@ elif _HAS_TRITON:  # older torch: a plain autograd.Function (graph break under t
         return _FlashFunction.apply(q_src, kv_src, bias, key_mask, causal, heads, far)
 
 
+def _source_digest() -> str:
+    """sha1 of this module's and the kernels' source files: what the launchers do and launch."""
+    digest = hashlib.sha1()
+    for name in ("triton_attention.py", "triton_attention_kernels.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()
+
+
+_SOURCE_DIGEST = _source_digest()
+
+
 @torch.compiler.assume_constant_result
 def launch_settings() -> str:
     """A digest of every module setting the launchers read when torch.compile traces them (the
-    backward's paths and switches, far tiles, tile tables). The custom ops take it as an argument:
-    AOTAutograd's and inductor's compile caches key a graph on the ops and their arguments, not on
-    the Python the ops ran when traced, so without it a graph traced under other settings (a
-    benchmark's previous variant, a process with other T5DS_ATTN_* tiles) could come back from the
-    cache with that graph's kernels (seen in the twenty-first session, docs/model.md)."""
+    backward's paths and switches, far tiles, tile tables) and of the launchers' and kernels' source.
+    The custom ops take it as an argument: AOTAutograd's and inductor's compile caches key a graph
+    on the ops and their arguments, not on the Python the ops ran when traced, so without it a graph
+    traced under other settings (a benchmark's previous variant, a process with other T5DS_ATTN_*
+    tiles) or by other code (an edited kernel, another checkout on the same machine) could come back
+    from the cache with that graph's kernels (seen in the twenty-first session, docs/model.md)."""
     settings = (
+        _SOURCE_DIGEST,
         DBIAS_PATH, DQ_PATH, DS_SUM, RELATIVE_BIAS, ONE_BLOCK_BWD, FAR_TILES, SHORT_QUERIES, TILE_TABLES,
         DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
     )  # fmt: skip

@@ -147,6 +147,15 @@ def _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, 
     row_max = tl.load(LSE + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
     inv_sum = tl.load(LSE + LSE_STRIDE + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
     delta = tl.load(DELTA + (b * H + h) * SQ + offs_m, mask=in_m, other=0.0)
+    return _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, delta, b, offs_m, offs_n,
+                                      SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
+
+
+@triton.jit
+def _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, delta, b, offs_m, offs_n, SK,
+                               CAUSAL_OFFSET, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                               CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+    """`_probs_and_dscores` given its rows' max, inverse sum and rowsum(dO * O) (BM,) in registers."""
     s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
                 EVEN_N, IEEE)
     p = tl.exp2(s - row_max[:, None]) * inv_sum[:, None]
@@ -235,8 +244,8 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
 
 
 @triton.jit
-def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DKV, DS,
-                          sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, sdkb, sdks, K_OFF, V_OFF,
+def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
+                          sqb, sqs, skb, sks, sdob, sdos, sob, sos, sdqb, sdqs, sdkb, sdks, K_OFF, V_OFF,
                           H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
                           HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, STORE_DS: tl.constexpr,
@@ -246,7 +255,8 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DKV, DS,
     targets): walks the key blocks once. Each key block has this one query block to see, so its dK
     and dV are final after one tile and are stored at once, while dQ gathers in registers: one pass,
     5 GEMMs and one exp2 per score, where the two kernels of longer queries take 7 and two (or a
-    round trip of dS through memory). STORE_DS: also stores dS (B, H, SQ, SK) for the bias
+    round trip of dS through memory). It holds all the rows, so it computes their rowsum(dO * O)
+    itself and loads their softmax statistics once. STORE_DS: also stores dS (B, H, SQ, SK) for the bias
     gradient. PACKED_GRAD (self-attention): dK and dV go into DQ, the [q | k | v] source's gradient,
     and DKV is not read (one buffer passed twice would be two written arguments to torch.compile,
     which copies one of them)."""
@@ -258,14 +268,18 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DKV, DS,
     offs_m = tl.arange(0, BLOCK_M)
     q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
     do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
+    delta = tl.sum(do.to(tl.float32) * _load_rows(OUT, b, h, offs_m, sob, sos, SQ, D, EVEN_M).to(tl.float32), 1)
+    in_m = offs_m < SQ
+    row_max = tl.load(LSE + bh * SQ + offs_m, mask=in_m, other=0.0)
+    inv_sum = tl.load(LSE + LSE_STRIDE + bh * SQ + offs_m, mask=in_m, other=0.0)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for start_n in range(0, SK, BLOCK_N):  # every key: BLOCK_M >= SQ reaches the causal diagonal's end
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         bias = _bias_tile(BIAS, h, 0, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
-        p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
-                                   CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
+        p, ds = _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, delta, b, offs_m, offs_n,
+                                           SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if STORE_DS:
             tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :],
                      ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
