@@ -7,9 +7,9 @@ projection outputs, the bias's gradient included where there is one. Each kernel
 the others at their defaults: the forward, the dK/dV kernel and the dQ kernel, or, where the
 backward takes dQ from the dS that the dK/dV kernel stores, the kernel that computes dQ = dS K
 (`dqds`); where the queries fit one block (the decoder's and the cross-attention's 114), the
-one-block kernel that computes the whole backward (`oneblock`). Prints the GPU time per call (the profiler's device time of every kernel of the call,
-averaged over `--iters` calls, so launch gaps at the small shapes do not count) and the attention
-TFLOP/s of each configuration, best first, and the winner as environment variables. The swept
+one-block kernel that computes the whole backward (`oneblock`). Prints the GPU time per call (the
+profiler's device time of every kernel of the call, averaged over `--iters` calls, so launch gaps
+at the small shapes do not count) and the attention TFLOP/s of each configuration, best first, and the winner as environment variables. The swept
 entry, and the default it is compared with, is the tiles of the shape's class
 (triton_attention.tile_class: the kind of attention, and whether its queries are short).
 

@@ -70,7 +70,9 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     for name in ("greedy", "3-beam search"):
         assert f"tiny T5 {name} tokens, triton against math" in proc.stdout
     assert "tiny T5 loss, triton attention (bias gradient path ds, dS summed by torch)" in proc.stdout
-    relative = "tiny T5 loss, triton attention (bias gradient path ds, dQ stored_bias, one-block backward, relative bias)"
+    relative = (
+        "tiny T5 loss, triton attention (bias gradient path ds, dQ stored_bias, one-block backward, relative bias)"
+    )
     assert relative in proc.stdout
     # a relative bias's gradient, summed by the dQ-from-dS kernel (square tiles) and densely (7 cases
     # of the two kernels, 2 of the one-block kernel)

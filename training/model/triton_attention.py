@@ -38,8 +38,8 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
   GEMMs per tile and batch element).
 
 Wrapped with `torch.library.triton_op` so torch.compile traces it without graph breaks; the ops
-take `launch_settings()`, a digest of the module settings above, so that compile caches cannot
-hand back a graph traced under other settings.
+take `launch_settings()`, a digest of the module settings above and of the source, so that
+compile caches cannot hand back a graph traced under other settings or by other code.
 """
 
 from __future__ import annotations
@@ -328,8 +328,8 @@ def _launch_bwd(
         wrap(_bwd_one_block_kernel)[(B * H,)](
             q_src, kv, kbias, key_mask, dout, out, lse, dq_src, dkv_src, ds, *strides, *out.stride()[:2],
             *dq_src.stride()[:2], *dkv.stride()[:2], k_off, v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags,
-            CAUSAL=causal, STORE_DS=ds_mode == 1, PACKED_GRAD=kv_src.numel() == 0, D=D, BLOCK_M=block_m, BLOCK_N=t.block_n,
-            num_warps=t.warps, num_stages=t.stages, EVEN_M=SQ == block_m, EVEN_N=SK % t.block_n == 0,
+            CAUSAL=causal, STORE_DS=ds_mode == 1, PACKED_GRAD=kv_src.numel() == 0, D=D, BLOCK_M=block_m,
+            BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, EVEN_M=SQ == block_m, EVEN_N=SK % t.block_n == 0,
         )  # fmt: skip
     else:  # rowsum(dO * O) per query row, (B, H, SQ), for the kernels below
         delta = torch.empty((B, H, SQ), dtype=torch.float32, device=q_src.device)
@@ -439,7 +439,7 @@ if _HAS_TRITON and hasattr(torch.library, "triton_op"):
     # Every tensor a kernel writes is allocated here and passed whole (offsets are ints): the kernels
     # never write through a view, which inductor's functionalisation could hand over as a copy.
     # `settings` (launch_settings()) is not read: it is there so that compile caches tell graphs
-    # traced under other module settings apart.
+    # traced under other module settings, or by other code, apart.
     @triton_op("t5ds::flash_attention_fwd", mutates_args={})
     def _flash_fwd_op(
         q_src: torch.Tensor,

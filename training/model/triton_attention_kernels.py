@@ -256,8 +256,8 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
     and dV are final after one tile and are stored at once, while dQ gathers in registers: one pass,
     5 GEMMs and one exp2 per score, where the two kernels of longer queries take 7 and two (or a
     round trip of dS through memory). It holds all the rows, so it computes their rowsum(dO * O)
-    itself and loads their softmax statistics once. STORE_DS: also stores dS (B, H, SQ, SK) for the bias
-    gradient. PACKED_GRAD (self-attention): dK and dV go into DQ, the [q | k | v] source's gradient,
+    itself and loads their softmax statistics once. STORE_DS: also stores dS (B, H, SQ, SK) for the
+    bias gradient. PACKED_GRAD (self-attention): dK and dV go into DQ, the [q | k | v] source's gradient,
     and DKV is not read (one buffer passed twice would be two written arguments to torch.compile,
     which copies one of them)."""
     if PACKED_GRAD:
