@@ -103,6 +103,12 @@ def _set_paths(*paths) -> None:
     ta.DBIAS_PATH, ta.DQ_PATH, ta.DS_SUM, ta.ONE_BLOCK_BWD = paths or DEFAULT_PATHS
 
 
+def _repeats_the_two_kernels(tile_key: str, sq: int, has_bias: bool) -> bool:
+    """After `_set_paths`: the one-block backward is on but does not apply to this attention, so the
+    path would run what a path without it runs (skipped, not checked twice)."""
+    return ta.ONE_BLOCK_BWD and not ta.one_block_applies(tile_key, sq, has_bias)
+
+
 def check_attention() -> None:
     heads, d = 2, 16
     for b, sq, sk, causal, padded, with_bias in ATTENTION_CASES:
@@ -129,8 +135,8 @@ def check_attention() -> None:
             _check(f"{tag} out", out, ref.detach().flatten(2), 3e-5)
             for paths in BACKWARD_PATHS:
                 _set_paths(*paths)
-                if ta.ONE_BLOCK_BWD and not ta.one_block_applies(ta.tile_class(causal, with_bias, sq), sq, with_bias):
-                    continue  # long queries: the two kernels, as the paths without the one-block kernel
+                if _repeats_the_two_kernels(ta.tile_class(causal, with_bias, sq), sq, with_bias):
+                    continue
                 dq_src, dkv_src, dbias = ta._launch_bwd(
                     q_src, kv_src, bias_arg, mask_arg, out, lse, dout.flatten(2), causal, heads
                 )
@@ -175,10 +181,10 @@ def _check_relative_bias(q, k, v, q_src, kv_src, mask_arg, key_mask, causal, tag
     key = ta.tile_class(causal, True, sq)
     for paths in RELATIVE_PATHS:
         _set_paths(*paths)
+        if _repeats_the_two_kernels(key, sq, True):
+            continue
         dq_src, dkv_src, drel = ta._launch_bwd(q_src, kv_src, rel, mask_arg, out, lse, dout.flatten(2), causal, heads)
         one_block = ta.one_block_applies(key, sq, True)
-        if paths[3] and not one_block:
-            continue  # long queries: the two kernels, as the paths without the one-block kernel
         in_kernel = paths[1] != "recompute" and ta.relative_grad_in_kernel(key) and not one_block
         how = "one-block backward" if one_block else f"dQ {paths[1]}"
         summed = "in the dQ kernel" if in_kernel else "densely"
