@@ -32,6 +32,20 @@ def c4_validation_path() -> Path:
     return C4_VALIDATION
 
 
+@pytest.fixture
+def compile_caches_on():
+    """AOTAutograd's and inductor's compile caches on for one test, through the configs' own `patch`
+    (monkeypatch deletes an entry of torch's config modules when it undoes it, and every later
+    compile in the process then fails on the missing setting)."""
+    import torch
+
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=True),
+        torch._inductor.config.patch(fx_graph_cache=True),
+    ):
+        yield
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Tests that need a world-size-1 group keep one in this process (tests/test_checkpoint.py's
     `dist1`); freed here, not at interpreter exit, where a gloo worker thread can abort the process

@@ -179,6 +179,51 @@ def test_launch_settings_digest_every_setting_the_launchers_read(monkeypatch):
     assert digests[0] == digests[1] == base != digests[2]
 
 
+@pytest.mark.parametrize(
+    "module, changes",
+    [
+        ("triton_add_norm", [("FWD_ROWS", 8), ("BWD_ROWS", 4), ("BWD_PROGRAMS_PER_SM", 3), ("BWD_WARPS", 8),
+                             ("BWD_STAGES", 2), ("BWD_STAGES_HALF", 1), ("_SOURCE_DIGEST", "another checkout")]),
+        ("triton_gated_gelu", [("BLOCK", 512), ("_SOURCE_DIGEST", "another checkout")]),
+    ],
+)  # fmt: skip
+def test_add_norm_and_gelu_launch_settings_digest_their_tiles_and_source(monkeypatch, module, changes):
+    """The residual add + RMS norm and the gated GELU ops take their module's `launch_settings()`
+    too (the training step is cached whole since the fused cross-entropy stopped making AOTAutograd's
+    cache step aside): it changes with every tile their launchers read and with the source, and
+    stays the same from process to process."""
+    import importlib
+
+    mod = importlib.import_module(f"training.model.{module}")
+    base = mod.launch_settings()
+    for name, value in changes:
+        with monkeypatch.context() as m:
+            m.setattr(mod, name, value)
+            assert mod.launch_settings() != base, name
+    assert mod.launch_settings() == base
+    code = f"from training.model import {module} as mod; print(mod.launch_settings())"
+    again = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert again.stdout.strip() == base
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="the ops are registered where triton is installed"
+)
+def test_every_triton_op_takes_the_launch_settings():
+    """Each of the model's Triton ops has the `settings` argument that keys it in the compile caches."""
+    import torch
+
+    from training.model import triton_add_norm, triton_attention, triton_gated_gelu  # noqa: F401 - registers
+
+    if not hasattr(torch.library, "triton_op"):
+        pytest.skip("torch < 2.6 has no triton_op: the kernels run outside torch.compile's graph")
+    names = ["flash_attention_fwd", "flash_attention_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd",
+             "gated_gelu_fwd", "gated_gelu_bwd"]  # fmt: skip
+    for name in names:
+        arguments = getattr(torch.ops.t5ds, name).default._schema.arguments
+        assert [(a.name, str(a.type)) for a in arguments][-1] == ("settings", "str"), name
+
+
 def _backward_inputs() -> tuple:
     """`_launch_bwd`'s arguments for a self-attention with a bias: batch 1, 8 positions, 2 heads of 4."""
     import torch

@@ -91,14 +91,12 @@ def test_short_queries_without_the_one_block_backward_match_math(case, dtype, mo
     (test_triton_matches_math_fp32 if dtype == "fp32" else test_triton_matches_math_bf16)(case)
 
 
-def test_compiled_attention_follows_the_switches_through_the_compile_caches(monkeypatch):
+def test_compiled_attention_follows_the_switches_through_the_compile_caches(monkeypatch, compile_caches_on):
     """A switch read inside the op's launcher when torch.compile traces it (here ONE_BLOCK_BWD)
     changes the compiled kernels with AOTAutograd's and inductor's caches on: without
     `launch_settings()` in the op's arguments, the second compile below got the first one's kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
 
     def backward_kernels(one_block: bool) -> set:
         monkeypatch.setattr(ta, "ONE_BLOCK_BWD", one_block)
@@ -120,6 +118,51 @@ def test_compiled_attention_follows_the_switches_through_the_compile_caches(monk
         torch._dynamo.reset()
     assert any("one_block" in k for k in first) and not any("dkdv" in k for k in first), first
     assert any("dkdv" in k for k in second) and not any("one_block" in k for k in second), second
+    assert third == first
+
+
+@pytest.mark.parametrize("module, name, values, kernel", [
+    (tn, "FWD_ROWS", (4, 8), "_add_rms_norm_fwd_kernel"),
+    (tg, "BLOCK", (1024, 512), "_gated_gelu_fwd_kernel"),
+])  # fmt: skip
+def test_compiled_add_norm_and_gelu_follow_their_tiles_through_the_compile_caches(
+    monkeypatch, compile_caches_on, tmp_path, module, name, values, kernel
+):
+    """The residual add + RMS norm and the gated GELU ops, compiled with the caches on, launch with
+    the tiles their module holds at each compile (seen in each launch's grid): without their
+    `launch_settings()` argument the second compile below would get the first one's kernel."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, out = (torch.randn(64, 768, device="cuda", generator=g) for _ in range(2))
+    weight = torch.rand(768, device="cuda", generator=g)
+    packed = torch.randn(8, 4096, device="cuda", generator=g).bfloat16()
+
+    def run() -> torch.Tensor:
+        if module is tn:
+            return tn.add_rms_norm(h, out, weight, 1e-6)[1]
+        return tg.gated_gelu_packed(packed)
+
+    def grids(value: int) -> list:
+        monkeypatch.setattr(module, name, value)
+        torch._dynamo.reset()
+        compiled = torch.compile(run, fullgraph=True)
+        compiled()  # compiles
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            compiled()
+            torch.cuda.synchronize()
+        trace = tmp_path / f"{name}-{value}.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+        return [e["args"]["grid"] for e in events if e.get("cat") == "kernel" and kernel in e["name"]]
+
+    try:
+        first, second, third = grids(values[0]), grids(values[1]), grids(values[0])
+    finally:
+        torch._dynamo.reset()
+    assert first and second and first != second, (first, second)
     assert third == first
 
 

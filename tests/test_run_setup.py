@@ -35,6 +35,44 @@ def test_compile_forward_passes_the_mode_and_the_model_inductor_options(monkeypa
     assert all(key in known for key in options), sorted(set(options) - set(known))
 
 
+def test_compiled_training_forward_comes_back_from_the_autograd_cache(compile_caches_on):
+    """The training forward as `compile_forward` compiles it (fused cross-entropy, under bf16 autocast
+    as DeepSpeed's torch_autocast runs it) compiled a second time, as a new process would: AOTAutograd's
+    cache serves it, and it gives the first compile's loss and gradients. With the cross-entropy as an
+    autograd.Function, or an autocast context inside the graph, the cache stepped aside
+    (`autograd_cache_bypass`) and every training process traced the whole step again."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from training.model.config import T5Config
+    from training.model.t5 import T5ForConditionalGeneration
+
+    x = torch.randint(0, 100, (2, 12))
+    y = torch.randint(0, 100, (2, 5))
+    y[1, 3:] = -100
+
+    def train_forward() -> tuple[dict, torch.Tensor, list[torch.Tensor]]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math"))
+        compile_forward(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=y, return_logits=False).loss
+        loss.backward()
+        return dict(counters["aot_autograd"]), loss.detach(), [p.grad for p in model.parameters()]
+
+    try:
+        with fresh_cache():
+            first, second = train_forward(), train_forward()
+    finally:
+        torch._dynamo.reset()
+    assert first[0].get("autograd_cache_saved") == 1 and "autograd_cache_bypass" not in first[0], first[0]
+    assert second[0].get("autograd_cache_hit") == 1 and "autograd_cache_bypass" not in second[0], second[0]
+    assert torch.equal(first[1], second[1])
+    assert all(torch.equal(a, b) for a, b in zip(first[2], second[2]))
+
+
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 def test_zero3_blocks_compile_with_the_model_inductor_options(monkeypatch, backend):
     """Each T5 block compiled for ZeRO 3 gets the options the whole-model compile runs with (with

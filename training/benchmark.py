@@ -5,6 +5,9 @@ training.optim when available) on synthetic tokens, bf16 autocast, TF32 on, fp32
 MFU is measured against a bf16 8192^3 matmul timed in the same run. s/step is the median of
 per-step CUDA-event times (each step synchronised); "wall s/step" times the same number of steps
 back to back on the host clock, as a training loop runs them (compare it with the engine).
+"1st step s" is the first step's time, compile included, with what AOTAutograd's cache did for
+the step's graphs (hit: a process before this one compiled the same code; docs/model.md, "The
+compile cache").
 
     python -m training.benchmark                                  # base, batch 128, 512 -> 114, all fast paths
     python -m training.benchmark --attention sdpa --no-fused-ce
@@ -50,6 +53,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from training.determinism import set_deterministic
 from training.grad_clip import GradClip
@@ -219,10 +223,12 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         return loss
 
     torch.cuda.reset_peak_memory_stats()
+    counters["aot_autograd"].clear()
     t0 = time.perf_counter()
     loss = step()
     torch.cuda.synchronize()
-    first_step_s = time.perf_counter() - t0
+    first_step_s = time.perf_counter() - t0  # compiles (or loads from the compile caches)
+    compile_cache = {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}
     for _ in range(args.warmup - 1):
         loss = step()
     torch.cuda.synchronize()
@@ -267,11 +273,22 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     result = dict(
         variant=variant, s_per_step=sec, wall_s_per_step=wall_sec, tokens_per_s=bs * (src + tgt) / sec,
         model_tflops=flops / sec / 1e12,
-        peak_gib=torch.cuda.max_memory_allocated() / 2**30, first_step_s=first_step_s, final_loss=float(loss.detach()),
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30, first_step_s=first_step_s,
+        compile_cache=compile_cache, final_loss=float(loss.detach()),
         param_sum=float(sum(p.detach().double().sum() for p in model.parameters())),
         optimizer=type(optimizer).__name__,
     )  # fmt: skip
     return result
+
+
+def _cache_outcome(result: dict) -> str:
+    """' (hit)', ' (miss)' or ' (bypass)': what AOTAutograd's cache did for the first step's compile."""
+    outcomes = [
+        k.removeprefix("autograd_cache_")
+        for k in ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")
+        if k in result["compile_cache"]
+    ]
+    return f" ({', '.join(outcomes)})" if outcomes else ""
 
 
 def _time_cuda(fn, iters: int) -> float:
@@ -430,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             r["mfu"] = r["model_tflops"] / ceiling
             print(f"{head} {r['s_per_step']:.4f} | {r['tokens_per_s'] / 1e3:.0f}k | {r['model_tflops']:.0f} | "
-                  f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['first_step_s']:.0f} | {r['wall_s_per_step']:.4f} | "
+                  f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['first_step_s']:.0f}{_cache_outcome(r)} | {r['wall_s_per_step']:.4f} | "
                   f"{r['final_loss']:.9g} | {r['param_sum']!r} |",
                   flush=True)  # fmt: skip
         r["matmul_ceiling_tflops"] = ceiling

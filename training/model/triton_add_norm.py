@@ -20,8 +20,11 @@ graph), anything else the torch ops.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import torch
+
+from training.model.compile_key import settings_digest, source_digest
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 FWD_ROWS = 4  # rows per forward program (one 2-D tile of FWD_ROWS x d_model)
@@ -43,6 +46,19 @@ def _half(dtype: torch.dtype) -> bool:
 def backward_setting(residual: torch.dtype) -> tuple[int, int, int, int]:
     """(rows per step, programs per SM, warps, stages) the backward runs with for this residual dtype."""
     return BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, BWD_STAGES_HALF if _half(residual) else BWD_STAGES
+
+
+_SOURCE_DIGEST = source_digest(Path(__file__))  # the launchers and kernels below
+
+
+@torch.compiler.assume_constant_result
+def launch_settings() -> str:
+    """A digest of the tiles the launchers read and of this module's source, which the ops take as
+    an argument so that torch.compile's caches tell graphs traced under others apart
+    (training/model/compile_key.py)."""
+    return settings_digest(
+        _SOURCE_DIGEST, FWD_ROWS, BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, BWD_STAGES, BWD_STAGES_HALF
+    )
 
 
 if _HAS_TRITON:
@@ -158,32 +174,38 @@ _OP = None
 if _HAS_TRITON and hasattr(torch.library, "triton_op"):
     from torch.library import triton_op, wrap_triton
 
+    # `settings` (launch_settings()) is not read: it tells compile caches graphs apart.
     @triton_op("t5ds::add_rms_norm_fwd", mutates_args={})
     def _add_rms_norm_fwd_op(
-        h: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float, y_dtype: torch.dtype
+        h: torch.Tensor,
+        out: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        y_dtype: torch.dtype,
+        settings: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _launch_fwd(h, out, weight, eps, y_dtype, wrap=wrap_triton)
 
     @triton_op("t5ds::add_rms_norm_bwd", mutates_args={})
     def _add_rms_norm_bwd_op(
         dy: torch.Tensor, dres: torch.Tensor | None, h_new: torch.Tensor, weight: torch.Tensor,
-        rstd: torch.Tensor, out_dtype: torch.dtype,
+        rstd: torch.Tensor, out_dtype: torch.dtype, settings: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         return _launch_bwd(dy, dres, h_new, weight, rstd, out_dtype, wrap=wrap_triton)
 
     def _setup_context(ctx, inputs, output):
-        _, out, weight, _, _ = inputs
+        _, out, weight, _, _, settings = inputs
         h_new, _, rstd = output
         ctx.mark_non_differentiable(rstd)
         ctx.save_for_backward(h_new, weight, rstd)
-        ctx.out_dtype = out.dtype
+        ctx.out_dtype, ctx.settings = out.dtype, settings
 
     def _backward(ctx, dh_new, dy, _drstd):
         h_new, weight, rstd = ctx.saved_tensors
         dres = None if dh_new is None else dh_new.contiguous()
         dy = torch.zeros_like(h_new) if dy is None else dy.contiguous()
-        dh, dout, dw = _add_rms_norm_bwd_op(dy, dres, h_new, weight, rstd, ctx.out_dtype)
-        return dh, dout if dout.numel() else dh, dw, None, None
+        dh, dout, dw = _add_rms_norm_bwd_op(dy, dres, h_new, weight, rstd, ctx.out_dtype, ctx.settings)
+        return dh, dout if dout.numel() else dh, dw, None, None, None
 
     _add_rms_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
     _OP = _add_rms_norm_fwd_op
@@ -211,5 +233,5 @@ def add_rms_norm(
         return add_rms_norm_reference(h, out, weight, eps, y_dtype)
     # rms_norm's own output dtype, for y when no y_dtype is asked for
     natural = weight.dtype if _half(weight.dtype) else torch.promote_types(torch.float32, weight.dtype)
-    h_new, y, _ = _OP(h.contiguous(), out.contiguous(), weight, eps, y_dtype or natural)
+    h_new, y, _ = _OP(h.contiguous(), out.contiguous(), weight, eps, y_dtype or natural, launch_settings())
     return h_new, y

@@ -44,13 +44,14 @@ compile caches cannot hand back a graph traced under other settings or by other 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from training.model.compile_key import settings_digest, source_digest
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -506,15 +507,8 @@ elif _HAS_TRITON:  # older torch: a plain autograd.Function (graph break under t
         return _FlashFunction.apply(q_src, kv_src, bias, key_mask, causal, heads, far)
 
 
-def _source_digest() -> str:
-    """sha1 of this module's and the kernels' source files: what the launchers do and launch."""
-    digest = hashlib.sha1()
-    for name in ("triton_attention.py", "triton_attention_kernels.py"):
-        digest.update((Path(__file__).parent / name).read_bytes())
-    return digest.hexdigest()
-
-
-_SOURCE_DIGEST = _source_digest()
+# What the launchers do and launch: part of launch_settings().
+_SOURCE_DIGEST = source_digest(Path(__file__), Path(__file__).with_name("triton_attention_kernels.py"))
 
 
 @torch.compiler.assume_constant_result
@@ -525,13 +519,12 @@ def launch_settings() -> str:
     on the ops and their arguments, not on the Python the ops ran when traced, so without it a graph
     traced under other settings (a benchmark's previous variant, a process with other T5DS_ATTN_*
     tiles) or by other code (an edited kernel, another checkout on the same machine) could come back
-    from the cache with that graph's kernels (seen in the twenty-first session, docs/model.md)."""
-    settings = (
+    from the cache with that graph's kernels (training/model/compile_key.py)."""
+    return settings_digest(
         _SOURCE_DIGEST,
         DBIAS_PATH, DQ_PATH, DS_SUM, RELATIVE_BIAS, ONE_BLOCK_BWD, FAR_TILES, SHORT_QUERIES, TILE_TABLES,
         DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
     )  # fmt: skip
-    return hashlib.sha1(repr(settings).encode()).hexdigest()[:16]
 
 
 def _grads_or_none(kv_src, bias, dq_src, dkv_src, dbias):

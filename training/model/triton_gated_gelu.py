@@ -16,12 +16,24 @@ Arithmetic in fp32 whatever the storage dtype; one rounding to the output dtype.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from training.model.compile_key import settings_digest, source_digest
+
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 BLOCK = 1024  # columns per program (of F); T5 v1.1 d_ff: 1024 (small) ... 10240 (xxl)
+_SOURCE_DIGEST = source_digest(Path(__file__))  # the launchers and kernels below
+
+
+@torch.compiler.assume_constant_result
+def launch_settings() -> str:
+    """A digest of BLOCK and of this module's source, which the ops take as an argument so that
+    torch.compile's caches tell graphs traced under others apart (training/model/compile_key.py)."""
+    return settings_digest(_SOURCE_DIGEST, BLOCK)
+
 
 if _HAS_TRITON:
     import triton
@@ -96,20 +108,22 @@ _OP = None
 if _HAS_TRITON and hasattr(torch.library, "triton_op"):
     from torch.library import triton_op, wrap_triton
 
+    # `settings` (launch_settings()) is not read: it tells compile caches graphs apart.
     @triton_op("t5ds::gated_gelu_fwd", mutates_args={})
-    def _gated_gelu_fwd_op(h: torch.Tensor) -> torch.Tensor:
+    def _gated_gelu_fwd_op(h: torch.Tensor, settings: str) -> torch.Tensor:
         return _launch_fwd(h, wrap=wrap_triton)
 
     @triton_op("t5ds::gated_gelu_bwd", mutates_args={})
-    def _gated_gelu_bwd_op(h: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    def _gated_gelu_bwd_op(h: torch.Tensor, dout: torch.Tensor, settings: str) -> torch.Tensor:
         return _launch_bwd(h, dout, wrap=wrap_triton)
 
     def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(inputs[0])
+        ctx.settings = inputs[1]
 
     def _backward(ctx, dout):
         (h,) = ctx.saved_tensors
-        return _gated_gelu_bwd_op(h, dout.contiguous())
+        return _gated_gelu_bwd_op(h, dout.contiguous(), ctx.settings), None
 
     _gated_gelu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
     _OP = _gated_gelu_fwd_op
@@ -137,4 +151,4 @@ def gated_gelu_packed(h: torch.Tensor) -> torch.Tensor:
     autocast: h is a GEMM output). Elsewhere: `gated_gelu_reference`."""
     if not kernel_applies(h):
         return gated_gelu_reference(h)
-    return _OP(h.contiguous())
+    return _OP(h.contiguous(), launch_settings())
