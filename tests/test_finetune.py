@@ -33,6 +33,8 @@ def random_init_run(tmp_path_factory) -> Path:
 def test_finetune_lowers_loss_and_predicts_every_test_id(random_init_run):
     train = read_metrics(random_init_run / "metrics.jsonl", "train")
     assert len(train) == 24  # 24 instances / batch 8 = 3 steps per epoch, 8 epochs
+    events = read_metrics(random_init_run / "metrics.jsonl", "event")
+    assert [e["step"] for e in events if e["event"] == "first_step"] == [1]
     first, last = train[:3], train[-3:]
     assert sum(r["loss"] for r in last) < 0.7 * sum(r["loss"] for r in first)
     out = random_init_run / "sni_eval" / "step_00000024"

@@ -117,6 +117,9 @@ def test_reference_run_logs_and_learns(reference_run):
         for key in ("loss", "lr", "grad_l2", "tokens_per_s", "weights_l2", "seconds_per_step"):
             assert r[key] is not None and r[key] == r[key], (key, r)
     assert train_records[-1]["loss"] < train_records[0]["loss"]
+    first = [e for e in read_metrics(reference_run / "metrics.jsonl", "event") if e["event"] == "first_step"]
+    # one record, for step 1; nothing compiled on CPU, so no compile-cache outcome
+    assert [(e["step"], e["compile_cache"]) for e in first] == [(1, {})] and first[0]["seconds"] > 0
     evals = read_metrics(reference_run / "metrics.jsonl", "eval")
     assert evals and evals[-1]["step"] == STEPS and 0 <= evals[-1]["eval_accuracy"] <= 1
     assert (reference_run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
@@ -146,6 +149,7 @@ def test_resume_continues_exactly(reference_run, shards, tmp_path):
     train(resumed, shards)
     ref, got = losses(reference_run), losses(resumed)
     assert sorted(got) == list(range(6, STEPS + 1))
+    assert [e["step"] for e in read_metrics(resumed / "metrics.jsonl", "event") if e["event"] == "first_step"] == [6]
     for step in got:
         assert got[step] == pytest.approx(ref[step], rel=1e-6), step
     assert_weights_close(final_weights(resumed), final_weights(reference_run), rtol=1e-6)

@@ -46,6 +46,7 @@ def test_compiled_training_forward_comes_back_from_the_autograd_cache(compile_ca
 
     from training.model.config import T5Config
     from training.model.t5 import T5ForConditionalGeneration
+    from training.run_setup import compile_cache_outcomes
 
     x = torch.randint(0, 100, (2, 12))
     y = torch.randint(0, 100, (2, 5))
@@ -60,17 +61,37 @@ def test_compiled_training_forward_comes_back_from_the_autograd_cache(compile_ca
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=y, return_logits=False).loss
         loss.backward()
-        return dict(counters["aot_autograd"]), loss.detach(), [p.grad for p in model.parameters()]
+        return compile_cache_outcomes(), loss.detach(), [p.grad for p in model.parameters()]
 
     try:
         with fresh_cache():
             first, second = train_forward(), train_forward()
     finally:
         torch._dynamo.reset()
-    assert first[0].get("autograd_cache_saved") == 1 and "autograd_cache_bypass" not in first[0], first[0]
-    assert second[0].get("autograd_cache_hit") == 1 and "autograd_cache_bypass" not in second[0], second[0]
+    assert first[0] == {"miss": 1} and second[0] == {"hit": 1}, (first[0], second[0])
     assert torch.equal(first[1], second[1])
     assert all(torch.equal(a, b) for a, b in zip(first[2], second[2]))
+
+
+@pytest.mark.parametrize("outcomes, hint", [({}, False), ({"miss": 2}, True), ({"hit": 1, "miss": 1}, False)])
+def test_first_step_record_and_line_say_what_the_compile_cache_did(monkeypatch, caplog, outcomes, hint):
+    """The first step's event record carries the seconds and the cache outcomes; its log line adds
+    where a later run finds the compiled step only when nothing came from the cache."""
+    import training.run_setup as run_setup
+
+    class Metrics:
+        records = []
+
+        def log(self, kind, record):
+            self.records.append((kind, record))
+
+    monkeypatch.setattr(run_setup, "compile_cache_outcomes", lambda: outcomes)
+    metrics = Metrics()
+    with caplog.at_level("INFO", logger="training.run_setup"):
+        run_setup.log_first_step(metrics, 7, 12.5)
+    assert metrics.records == [("event", {"step": 7, "event": "first_step", "seconds": 12.5, "compile_cache": outcomes})]
+    assert "12.5 s" in caplog.text and ("TORCHINDUCTOR_CACHE_DIR" in caplog.text) == hint
+    assert ("compile cache" in caplog.text) == bool(outcomes)
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])

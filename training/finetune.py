@@ -32,6 +32,7 @@ from training.run_setup import (
     build_optimizer_and_schedule,
     capture_rng_state,
     launch,
+    log_first_step,
     open_run_outputs,
     restore_rng_state,
     start_engine,
@@ -131,6 +132,7 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     window_loss = torch.zeros((), device=device)
     window_tokens = torch.zeros((), dtype=torch.int64, device=device)
     window_steps, window_start = 0, time.perf_counter()
+    first_step = step
     engine.train()
     while step < total_steps:
         grad_l2 = None
@@ -149,6 +151,8 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             window_tokens += batch["attention_mask"].sum() + (batch["labels"] != -100).sum()
         step += 1
         window_steps += 1
+        if step == first_step + 1:
+            log_first_step(metrics, step, time.perf_counter() - window_start)
         if step % cfg.logging.every_steps == 0 or step == total_steps:
             loss, tokens = all_reduce_sum([window_loss.item(), float(window_tokens.item())], device)
             seconds = time.perf_counter() - window_start

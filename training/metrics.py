@@ -3,7 +3,9 @@
 Only rank 0 writes. Every record is one JSON object per line in `<output_dir>/metrics.jsonl`
 with a `kind` ("train", "eval", "event") and a `step`. Training records carry at least `step`,
 `loss`, `lr`, `grad_l2`, `tokens_per_s`; evaluation records `step`, `eval_loss`,
-`eval_accuracy`. W&B runs offline unless `logging.wandb=online`, so no account is needed.
+`eval_accuracy`; event records an `event`: start, resume, first_step (`seconds` to launch this
+process's first step, torch.compile included, and `compile_cache`: what AOTAutograd's cache did),
+checkpoint, nonfinite_stop, exit. W&B runs offline unless `logging.wandb=online`, so no account is needed.
 """
 
 from __future__ import annotations

@@ -121,6 +121,32 @@ def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:
     model.forward = torch.compile(model.forward, fullgraph=True, options=compile_options(mode))
 
 
+def compile_cache_outcomes() -> dict[str, int]:
+    """How often AOTAutograd's compile cache hit, missed or stepped aside ("bypass") in this process so
+    far, nonzero counts only: {} where nothing was compiled (CPU runs, `model.compile=false`)."""
+    from torch._dynamo.utils import counters
+
+    cache = counters["aot_autograd"]
+    return {k: cache[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass") if cache[f"autograd_cache_{k}"]}
+
+
+def log_first_step(metrics, step: int, seconds: float) -> None:
+    """Records how long this process's first training step took to launch, torch.compile included,
+    and what the compile cache did for it: an "event" record `first_step` and one log line (the
+    first logging window's seconds/step averages it away)."""
+    outcomes = compile_cache_outcomes()
+    metrics.log("event", {"step": step, "event": "first_step", "seconds": seconds, "compile_cache": outcomes})
+    if not outcomes:
+        logger.info("first step launched in %.1f s", seconds)
+        return
+    cache = ", ".join(f"{k} {n}" for k, n in outcomes.items())
+    hint = ""
+    if "hit" not in outcomes:  # compiled from scratch
+        hint = (" A later run of the same code, model and shapes on this machine loads it from "
+                "TORCHINDUCTOR_CACHE_DIR instead (docs/configuration.md, model.compile).")  # fmt: skip
+    logger.info("first step launched in %.1f s, torch.compile included (compile cache: %s).%s", seconds, cache, hint)
+
+
 def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: dict, out_dir: Path, *, rank: int,
                  world_size: int, device: torch.device):
     """The DeepSpeed engine of a run and where it resumes from: (engine, checkpoint manager, newest
