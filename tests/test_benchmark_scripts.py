@@ -185,7 +185,8 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/rms_norm.py", "needs a CUDA GPU"),
                          ("benchmarks/add_norm_sweep.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/decode_steps.py", "needs a CUDA GPU"),
-                         ("benchmarks/ffn_epilogue.py", "needs triton and a CUDA GPU")):
+                         ("benchmarks/ffn_epilogue.py", "needs triton and a CUDA GPU"),
+                         ("benchmarks/attention_tma.py", "needs triton and an sm_90")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
