@@ -490,6 +490,28 @@ def test_fused_cross_entropy_matches_reference_loss_and_grads():
     torch.testing.assert_close(weight.grad, w2.grad)
 
 
+def test_fused_cross_entropy_under_bf16_autocast_matches_the_bf16_head():
+    """Under autocast the fused loss runs the head's matmuls in bf16 like nn.Linear would, and its
+    gradients reach the fp32 hidden states and weight in fp32 (what the casts' backward gives)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(1000, 16, requires_grad=True)
+    labels = torch.randint(0, 1000, (37,))
+    labels[::5] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=8)
+    (3.0 * loss).backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    logits = (h2.bfloat16() @ w2.bfloat16().t()).float()
+    ref = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+    (3.0 * ref).backward()
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    # both round d(logits) to bf16 before the two matmuls (ulp-level differences only)
+    torch.testing.assert_close(hidden.grad, h2.grad, rtol=2e-2, atol=1e-2 * float(h2.grad.abs().max()))
+    torch.testing.assert_close(weight.grad, w2.grad, rtol=2e-2, atol=1e-2 * float(w2.grad.abs().max()))
+
+
 def test_init_statistics_follow_t5_v11():
     config = T5Config.from_preset("tiny", d_model=256, d_ff=512)
     model = T5ForConditionalGeneration(config)

@@ -73,14 +73,17 @@ def test_compiled_training_forward_comes_back_from_the_autograd_cache(compile_ca
     assert all(torch.equal(a, b) for a, b in zip(first[2], second[2]))
 
 
-@pytest.mark.parametrize("outcomes, hint", [({}, False), ({"miss": 2}, True), ({"hit": 1, "miss": 1}, False)])
+@pytest.mark.parametrize("outcomes, hint", [({}, ""), ({"miss": 2}, "TORCHINDUCTOR_CACHE_DIR"),
+                                            ({"hit": 1, "miss": 1}, ""), ({"bypass": 1, "miss": 2}, "stepped aside")])  # fmt: skip
 def test_first_step_record_and_line_say_what_the_compile_cache_did(monkeypatch, caplog, outcomes, hint):
-    """The first step's event record carries the seconds and the cache outcomes; its log line adds
-    where a later run finds the compiled step only when nothing came from the cache."""
+    """The first step's event record carries the seconds and the cache outcomes; its log line says
+    where a later run finds the compiled step when it was compiled from scratch, and that part of it
+    cannot be cached when the cache stepped aside."""
     import training.run_setup as run_setup
 
     class Metrics:
-        records = []
+        def __init__(self):
+            self.records = []
 
         def log(self, kind, record):
             self.records.append((kind, record))
@@ -90,7 +93,9 @@ def test_first_step_record_and_line_say_what_the_compile_cache_did(monkeypatch, 
     with caplog.at_level("INFO", logger="training.run_setup"):
         run_setup.log_first_step(metrics, 7, 12.5)
     assert metrics.records == [("event", {"step": 7, "event": "first_step", "seconds": 12.5, "compile_cache": outcomes})]
-    assert "12.5 s" in caplog.text and ("TORCHINDUCTOR_CACHE_DIR" in caplog.text) == hint
+    assert "12.5 s" in caplog.text
+    assert ("TORCHINDUCTOR_CACHE_DIR" in caplog.text) == (hint == "TORCHINDUCTOR_CACHE_DIR")
+    assert ("stepped aside" in caplog.text) == (hint == "stepped aside")
     assert ("compile cache" in caplog.text) == bool(outcomes)
 
 

@@ -141,7 +141,10 @@ def log_first_step(metrics, step: int, seconds: float) -> None:
         return
     cache = ", ".join(f"{k} {n}" for k, n in outcomes.items())
     hint = ""
-    if "hit" not in outcomes:  # compiled from scratch
+    if "bypass" in outcomes:  # e.g. an autograd.Function in a changed model
+        hint = (" The cache stepped aside for part of it, so every run compiles that part again "
+                "(docs/model.md, \"The compile cache\").")  # fmt: skip
+    elif "hit" not in outcomes:  # compiled from scratch
         hint = (" A later run of the same code, model and shapes on this machine loads it from "
                 "TORCHINDUCTOR_CACHE_DIR instead (docs/configuration.md, model.compile).")  # fmt: skip
     logger.info("first step launched in %.1f s, torch.compile included (compile cache: %s).%s", seconds, cache, hint)
