@@ -111,18 +111,20 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias,nooneblock",
+                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias,nooneblock,regional",
                       args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True,
-                     tiles_per_class=False, triton_add_norm=False, relative_bias=True, one_block=False)  # fmt: skip
+                     tiles_per_class=False, triton_add_norm=False, relative_bias=True, one_block=False,
+                     regional=True)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert default["triton_add_norm"] and default["relative_bias"] == ta.RELATIVE_BIAS
     assert parse_variant("densebias,relbias", args)["relative_bias"]
     assert not parse_variant("relbias,densebias", args)["relative_bias"]
     assert default["one_block"] == ta.ONE_BLOCK_BWD and parse_variant("nooneblock,oneblock", args)["one_block"]
+    assert not default["regional"] and not parse_variant("regional,wholemodel", args)["regional"]
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
     assert default["tiles_per_class"] and parse_variant("enctiles,classtiles", args)["tiles_per_class"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
@@ -135,7 +137,7 @@ def test_model_benchmark_variant_items_parse():
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "torchnorm", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic", "enctiles", "densebias" if ta.RELATIVE_BIAS else "relbias",
-               "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel", "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock",
+               "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel", "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock", "regional",
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
@@ -401,3 +403,34 @@ def test_add_norm_sweep_says_which_output_differs_and_where():
     two_ulp = torch.tensor([[1.0, 2.0, -3.0, 101.0]], dtype=torch.bfloat16)
     assert differences((cast, one_ulp, dw), (cast, cast, dw)) == ""
     assert differences((cast, two_ulp, dw), (cast, cast, dw)).startswith("dout max |diff| 1 ")
+
+
+def test_regional_compile_variant_keeps_loss_and_gradients(monkeypatch):
+    """The benchmark's `regional` variant (each block, the final norms and the loss compiled on their
+    own; inductor on CPU here) gives eager's loss and gradients. (It swaps the compiled loss into the
+    model's module; `run_variant` puts the original back, here monkeypatch does.)"""
+    from training import benchmark as bench
+    from training.model import T5Config, T5ForConditionalGeneration, t5
+
+    original = t5.fused_linear_cross_entropy
+    monkeypatch.setattr(t5, "fused_linear_cross_entropy", original)  # put back after the test
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math")))
+    eager, regional = models
+    x, y = torch.randint(0, 100, (2, 12)), torch.randint(0, 100, (2, 5))
+    try:
+        bench._compile_regions(regional, {})
+        assert t5.fused_linear_cross_entropy is not original
+        assert all("forward" in vars(block) for block in (*regional.encoder.block, *regional.decoder.block))
+        losses = []
+        for model in (eager, regional):
+            loss = model(input_ids=x, labels=y, return_logits=False).loss
+            loss.backward()
+            losses.append(loss.detach())
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (name, a), b in zip(eager.named_parameters(), regional.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5 * float(a.grad.abs().max()), msg=name)

@@ -36,7 +36,9 @@ relbias|densebias (the fused kernel takes T5's relative bias row and sums its gr
 query offset in its dQ kernel, or the dense (heads, q, k) bias and returns a dense gradient per
 layer; triton_attention.RELATIVE_BIAS), oneblock|nooneblock (the backward of attention with at most
 128 queries, the decoder's and the cross-attention's, as one kernel per batch element and head, or
-as the dK/dV and dQ kernels of longer queries; triton_attention.ONE_BLOCK_BWD). Each
+as the dK/dV and dQ kernels of longer queries; triton_attention.ONE_BLOCK_BWD), regional|wholemodel
+(torch.compile each T5 block, the final norms and the loss on their own, as ZeRO 3's blocks mode does,
+or the whole step as one graph as training does at ZeRO 0-2). Each
 variant prints one table row, ending with the loss of the last step and the sum of every parameter
 after it (two runs of the same variant are bit-identical when both are); --json appends one JSON
 object per variant to a file. The attention tiles
@@ -82,7 +84,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
         deterministic=False, tiles_per_class=True, triton_add_norm=True, relative_bias=RELATIVE_BIAS,
-        one_block=ONE_BLOCK_BWD,
+        one_block=ONE_BLOCK_BWD, regional=False,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -123,6 +125,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["relative_bias"] = item == "relbias"
         elif item in ("oneblock", "nooneblock"):
             variant["one_block"] = item == "oneblock"
+        elif item in ("regional", "wholemodel"):
+            variant["regional"] = item == "regional"
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -156,15 +160,16 @@ def variant_label(v: dict) -> str:
     notes += [] if v["tiles_per_class"] else ["encoder tiles everywhere"]
     notes += ["relative bias"] if v["relative_bias"] else []
     notes += [] if v["one_block"] else ["no one-block backward"]
+    notes += ["regional compile"] if v["regional"] else []
     return ", ".join([v["attention"], *notes])
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
-    from training.model import triton_add_norm, triton_gated_gelu
+    from training.model import t5, triton_add_norm, triton_gated_gelu
     from training.model import triton_attention as ta
 
     defaults = (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD,
-                triton_gated_gelu.ENABLED, triton_add_norm.ENABLED)  # fmt: skip
+                triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy)  # fmt: skip
     tables = ta.TILE_TABLES.values()
     default_tiles = [dict(table) for table in tables]
     ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
@@ -183,7 +188,7 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
         return _run_variant(variant, args, device)
     finally:
         (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD,
-         triton_gated_gelu.ENABLED, triton_add_norm.ENABLED) = defaults  # fmt: skip
+         triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy) = defaults  # fmt: skip
         for table, tiles in zip(tables, default_tiles):
             table.update(tiles)
         set_deterministic(False)
@@ -205,7 +210,9 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     def loss_fn(ids, lab):
         return model(ids, labels=lab, return_logits=return_logits).loss
 
-    if variant["compile"]:
+    if variant["compile"] and variant["regional"]:
+        _compile_regions(model, compile_options(variant["mode"] or "default"))
+    elif variant["compile"]:
         options = compile_options(variant["mode"] or "default")  # as training compiles the model
         loss_fn = torch.compile(loss_fn, fullgraph=args.fullgraph, options=options)
 
@@ -279,6 +286,23 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         optimizer=type(optimizer).__name__,
     )  # fmt: skip
     return result
+
+
+def _compile_regions(model: torch.nn.Module, options: dict) -> None:
+    """Regional compilation (variant `regional`): each T5 block compiled on its own, as ZeRO 3's
+    `model.zero3_compile=blocks` does (the blocks of a stack share their graphs), the final norms and
+    the fused cross-entropy too; the embeddings and the bias lookup stay eager. Fewer, smaller graphs
+    to compile than the whole model's, and no fusion across their borders."""
+    import training.model.t5 as t5
+    from training.zero3_compile import _compiled_block_forward
+
+    norm = torch.compile(t5.rms_norm)
+    for stack in (model.encoder, model.decoder):
+        stack.final_layer_norm.norm_fn = norm
+        for block in stack.block:
+            block.forward = _compiled_block_forward(block, "inductor")
+    # the model looks the loss up in its module's namespace on each call (this process only)
+    t5.fused_linear_cross_entropy = torch.compile(t5.fused_linear_cross_entropy, fullgraph=True, options=options)
 
 
 def _cache_outcome(result: dict) -> str:
