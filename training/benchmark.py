@@ -292,7 +292,8 @@ def _compile_regions(model: torch.nn.Module, options: dict) -> None:
     """Regional compilation (variant `regional`): each T5 block compiled on its own, as ZeRO 3's
     `model.zero3_compile=blocks` does (the blocks of a stack share their graphs), the final norms and
     the fused cross-entropy too; the embeddings and the bias lookup stay eager. Fewer, smaller graphs
-    to compile than the whole model's, and no fusion across their borders."""
+    to compile than the whole model's, and no fusion across their borders. The blocks take the default
+    mode's options (as under ZeRO 3), the loss `options`."""
     import training.model.t5 as t5
     from training.zero3_compile import _compiled_block_forward
 
