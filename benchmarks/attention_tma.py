@@ -86,9 +86,8 @@ if ta.available():
                 ds_desc.store([bh * SQ + sm, n0], ds_low)
             elif DS_MODE == 1:
                 tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds_low)
-            else:
-                tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds_low,
-                         mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+            else:  # the model's masked store
+                K._store_ds_tile(DS, ds_low, bh, offs_m, offs_n, SQ, SK)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dk += tl.dot(tl.trans(ds_low), q)
         K._store_rows(DKV + K_OFF, dk, b, h, offs_n, sdkb, sdks, SK, D)

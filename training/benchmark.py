@@ -62,7 +62,7 @@ from training.grad_clip import GradClip
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model.config import RESIDUAL_DTYPES
 from training.model.flops import measure_matmul_tflops, model_flops_per_step
-from training.run_setup import compile_options
+from training.run_setup import compile_cache_outcomes, compile_options
 
 
 def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -> torch.optim.Optimizer:
@@ -235,7 +235,7 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     loss = step()
     torch.cuda.synchronize()
     first_step_s = time.perf_counter() - t0  # compiles (or loads from the compile caches)
-    compile_cache = {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}
+    compile_cache = compile_cache_outcomes()  # this variant's: the counters were cleared above
     for _ in range(args.warmup - 1):
         loss = step()
     torch.cuda.synchronize()
@@ -307,13 +307,8 @@ def _compile_regions(model: torch.nn.Module, options: dict) -> None:
 
 
 def _cache_outcome(result: dict) -> str:
-    """' (hit)', ' (miss)' or ' (bypass)': what AOTAutograd's cache did for the first step's compile."""
-    outcomes = [
-        k.removeprefix("autograd_cache_")
-        for k in ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")
-        if k in result["compile_cache"]
-    ]
-    return f" ({', '.join(outcomes)})" if outcomes else ""
+    """' (hit)', ' (miss, bypass)', ...: what AOTAutograd's cache did for the first step's compile."""
+    return f" ({', '.join(result['compile_cache'])})" if result["compile_cache"] else ""
 
 
 def _time_cuda(fn, iters: int) -> float:

@@ -152,7 +152,7 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         step += 1
         window_steps += 1
         if step == first_step + 1:
-            log_first_step(metrics, step, time.perf_counter() - window_start)
+            log_first_step(metrics, step, time.perf_counter() - window_start)  # no window logged yet
         if step % cfg.logging.every_steps == 0 or step == total_steps:
             loss, tokens = all_reduce_sum([window_loss.item(), float(window_tokens.item())], device)
             seconds = time.perf_counter() - window_start

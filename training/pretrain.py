@@ -125,7 +125,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
                            skipped_before=rank_state.get("skipped_steps", 0) if resume_from is not None else 0)
     window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.perf_counter()
     window_data_wait = 0.0  # seconds spent waiting in next(train_batches) in this logging window
-    first_step, loop_start = step, time.perf_counter()
+    first_step = step
     engine.train()
     while step < horizon.total_steps:
         log_now = (step + 1) % cfg.logging.every_steps == 0 or step + 1 == horizon.total_steps
@@ -154,7 +154,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         window_steps += 1
         budget.mark_step(step)
         if step == first_step + 1:
-            log_first_step(metrics, step, time.perf_counter() - loop_start)
+            log_first_step(metrics, step, time.perf_counter() - window_start)  # no window logged yet
 
         # Non-finite loss or gradient: the update was skipped (by our optimizer or by DeepSpeed's
         # bf16/fp16 wrappers). adamwscale reports it a step late, which keeps the GPU from waiting.

@@ -94,6 +94,14 @@ def _store_rows(PTR, x, b, h, offs_m, sb, ss, SQ, D: tl.constexpr):
 
 
 @triton.jit
+def _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK):
+    """Stores the (BM, BN) dS tile, cast to DS's dtype, into the (B, H, SQ, SK) buffer at (batch,
+    head) bh, queries offs_m and keys offs_n; entries past SQ or SK are skipped."""
+    tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds.to(DS.dtype.element_ty),
+             mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+
+
+@triton.jit
 def _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     """One past the last key that query block pid_m sees: SK, or the end of the causal diagonal."""
     if CAUSAL:
@@ -199,8 +207,7 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
         p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if STORE_DS:
-            tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :],
-                     ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK)
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
     _store_rows(DKV + K_OFF, dk, b, h, offs_n, sdkb, sdks, SK, D)
@@ -234,8 +241,7 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
         p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if DS_MODE == 1:
-            tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :],
-                     ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK)
         elif DS_MODE == 2:
             tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
                           mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK), sem="relaxed")
@@ -281,8 +287,7 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
         p, ds = _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, delta, b, offs_m, offs_n,
                                            SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if STORE_DS:
-            tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :],
-                     ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK)
         ds = ds.to(q.dtype)
         _store_rows(DKV + V_OFF, _dot(tl.trans(p.to(do.dtype)), do, IEEE), b, h, offs_n, sdkb, sdks, SK, D)
         _store_rows(DKV + K_OFF, _dot(tl.trans(ds), q, IEEE), b, h, offs_n, sdkb, sdks, SK, D)
