@@ -200,6 +200,48 @@ FAR_TILE_PATHS = {
 }
 
 
+def check_half_bias() -> None:
+    """The kernels read the bias in fp16 (BIAS_HALF, for bf16/fp16 inputs) or fp32: either way they
+    agree with the math attention given the bias they read (the fp16-rounded one for fp16), forward
+    and backward: the encoder's, the decoder's, and short queries through the one-block kernel. The
+    interpreter runs these kernels in fp32 only, so fp32 inputs are given the bias `_kernel_bias`
+    makes for bf16 ones; the GPU tests run bf16 end to end."""
+    heads, d = 2, 16
+    default, kernel_bias = ta.BIAS_HALF, ta._kernel_bias
+    for b, sq, sk, causal in [(2, 40, 40, False), (2, 37, 37, True), (2, 16, 48, False)]:
+        q, k, v = (torch.randn(b, s, heads, d) for s in (sq, sk, sk))
+        bias = 4 * torch.randn(heads, sq, sk)  # large enough to move the softmax
+        q_src, kv_src = q.flatten(2).contiguous(), torch.cat([k.flatten(2), v.flatten(2)], -1)
+        no_mask = q.new_empty((0,), dtype=torch.uint8)
+        for half in (True, False):
+            ta.BIAS_HALF = half
+            as_read = kernel_bias(bias, sq, sk, torch.bfloat16)  # what bf16 inputs get
+            assert as_read.dtype == (torch.float16 if half else torch.float32)
+            ta._kernel_bias = lambda bias, SQ, SK, dtype: kernel_bias(bias, SQ, SK, torch.bfloat16)
+            try:
+                out, lse = ta._launch_fwd(q_src, kv_src, bias, no_mask, causal, heads)
+                dout = torch.randn_like(out)
+                dq, dkv, dbias = ta._launch_bwd(q_src, kv_src, bias, no_mask, out, lse, dout, causal, heads)
+            finally:
+                ta._kernel_bias = kernel_bias
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            br = (as_read.float() / ta._LOG2E).requires_grad_()  # the bias the kernels read
+            ref = _math_attention(qr, kr, vr, br, None, causal, 0.0)
+            ref.backward(dout.view_as(ref))
+            tag = f"{sq}x{sk} causal={causal}, bias read in {'fp16' if half else 'fp32'}"
+            _check(f"{tag} out", out, ref.detach().flatten(2), 3e-5)
+            _check(f"{tag} dq", dq, qr.grad.flatten(2), 3e-5)
+            _check(f"{tag} dk|dv", dkv, torch.cat([kr.grad.flatten(2), vr.grad.flatten(2)], -1), 3e-5)
+            _check(f"{tag} dbias", dbias, br.grad, 3e-5)
+        rounded = kernel_bias(bias, sq, sk, torch.bfloat16).float() / ta._LOG2E
+        assert 0 < (rounded - bias).abs().max() < 4 * 2**-11  # fp16 rounding, no more (the test can tell)
+    ta.BIAS_HALF = True
+    huge = torch.full((heads, 4, 4), 1e6)  # past fp16's range: clamped to its largest value, not inf
+    assert kernel_bias(huge, 4, 4, torch.bfloat16).float().max() == 65504
+    assert kernel_bias(huge, 4, 4, torch.float32).dtype == torch.float32  # fp32 inputs: the fp32 bias
+    ta.BIAS_HALF = default
+
+
 def check_far_tiles() -> None:
     """FAR_TILES (every kernel) with a T5 bias (8 buckets up to distance 16, so that it saturates
     within these lengths): tiles wholly beyond the saturation distance read one element instead of a
@@ -473,6 +515,7 @@ def main() -> None:
     torch.manual_seed(0)
     check_attention()
     check_far_tiles()
+    check_half_bias()
     check_ds_batch_sum()
     check_gated_gelu()
     check_add_rms_norm()

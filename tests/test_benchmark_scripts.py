@@ -111,13 +111,14 @@ def test_model_benchmark_variant_items_parse():
     args = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
-                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias,nooneblock,regional",
+                      "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias,nooneblock,regional,"
+                      "biasfp32",
                       args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True,
                      tiles_per_class=False, triton_add_norm=False, relative_bias=True, one_block=False,
-                     regional=True)  # fmt: skip
+                     regional=True, bias_half=False)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert default["triton_add_norm"] and default["relative_bias"] == ta.RELATIVE_BIAS
@@ -125,6 +126,7 @@ def test_model_benchmark_variant_items_parse():
     assert not parse_variant("relbias,densebias", args)["relative_bias"]
     assert default["one_block"] == ta.ONE_BLOCK_BWD and parse_variant("nooneblock,oneblock", args)["one_block"]
     assert not default["regional"] and not parse_variant("regional,wholemodel", args)["regional"]
+    assert default["bias_half"] == ta.BIAS_HALF and parse_variant("biasfp32,biashalf", args)["bias_half"]
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
     assert default["tiles_per_class"] and parse_variant("enctiles,classtiles", args)["tiles_per_class"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
@@ -188,9 +190,25 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/add_norm_sweep.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/decode_steps.py", "needs a CUDA GPU"),
                          ("benchmarks/ffn_epilogue.py", "needs triton and a CUDA GPU"),
-                         ("benchmarks/attention_tma.py", "needs triton and an sm_90")):
+                         ("benchmarks/attention_tma.py", "needs triton and an sm_90"),
+                         ("benchmarks/attention_fa4.py", "needs a Hopper GPU (sm90)")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
+
+
+def test_fa4_benchmark_hands_fa4_head_views_of_the_packed_sources():
+    """FA4 reads (batch, seq, heads, d_kv) views of the model's packed projection outputs and writes
+    its gradients through such views into packed buffers: no copies either way."""
+    from benchmarks.attention_fa4 import head_views
+
+    packed = torch.arange(2 * 3 * 3 * 4 * 8, dtype=torch.float32).view(2, 3, 3 * 4 * 8)  # [q | k | v]
+    q, k, v = head_views(packed, 3, heads=4)
+    assert q.shape == k.shape == v.shape == (2, 3, 4, 8)
+    assert all(t.data_ptr() - packed.data_ptr() == i * 32 * 4 for i, t in enumerate((q, k, v)))
+    assert torch.equal(v[1, 2, 3], packed[1, 2, 2 * 32 + 3 * 8 : 2 * 32 + 4 * 8])
+    before = packed.clone()
+    v.zero_()  # a write through the view lands in the packed tensor's v columns, and only there
+    assert not packed[..., 64:].any() and torch.equal(packed[..., :64], before[..., :64])
 
 
 @pytest.mark.parametrize(

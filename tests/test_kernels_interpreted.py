@@ -81,6 +81,8 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     assert proc.stdout.count("dS summed over the batch") == 4  # 2 shapes x 2 dtypes
     assert proc.stdout.count("FFN epilogue") == 6  # 2 kernel pairs x 3 tensors
     assert proc.stdout.count("with and without far tiles") == 27  # 3 shapes x 3 paths x 3 tensors
+    for read_in in ("fp16", "fp32"):  # the bias in either dtype for bf16 inputs: 3 shapes x 4 tensors
+        assert proc.stdout.count(f"bias read in {read_in}") == 12, read_in
 
 
 def test_tile_variables_set_a_kernels_tiles_for_every_class():
@@ -160,6 +162,7 @@ def test_launch_settings_digest_every_setting_the_launchers_read(monkeypatch):
     base = ta.launch_settings()
     changes = [("DQ_PATH", "recompute"), ("DBIAS_PATH", "atomic"), ("DS_SUM", "torch"), ("FAR_TILES", ()),
                ("ONE_BLOCK_BWD", not ta.ONE_BLOCK_BWD), ("RELATIVE_BIAS", not ta.RELATIVE_BIAS),
+               ("BIAS_HALF", not ta.BIAS_HALF),
                ("DS_SUM_BLOCK", 512), ("DELTA_BLOCK_M", 32), ("SHORT_QUERIES", 64),
                ("_SOURCE_DIGEST", "another checkout's launchers and kernels")]  # fmt: skip
     for name, value in changes:

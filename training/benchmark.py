@@ -32,7 +32,8 @@ gradients inside its step, as training runs at ZeRO 0 do, or torch's clip_grad_n
 step; training/grad_clip.py), deterministic (training/determinism.py: deterministic algorithms, as the
 run config's `deterministic`), classtiles|enctiles (each attention's tiles by its kind and query
 length, or the encoder's for every attention: triton_attention.tile_class and its tile tables),
-relbias|densebias (the fused kernel takes T5's relative bias row and sums its gradient per key -
+biashalf|biasfp32 (the fused kernel reads T5's dense bias in fp16 or fp32 for bf16 inputs;
+triton_attention.BIAS_HALF), relbias|densebias (the fused kernel takes T5's relative bias row and sums its gradient per key -
 query offset in its dQ kernel, or the dense (heads, q, k) bias and returns a dense gradient per
 layer; triton_attention.RELATIVE_BIAS), oneblock|nooneblock (the backward of attention with at most
 128 queries, the decoder's and the cross-attention's, as one kernel per batch element and head, or
@@ -77,14 +78,21 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
-    from training.model.triton_attention import DQ_PATH, DS_SUM, FAR_TILES, ONE_BLOCK_BWD, RELATIVE_BIAS
+    from training.model.triton_attention import (
+        BIAS_HALF,
+        DQ_PATH,
+        DS_SUM,
+        FAR_TILES,
+        ONE_BLOCK_BWD,
+        RELATIVE_BIAS,
+    )
 
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
         deterministic=False, tiles_per_class=True, triton_add_norm=True, relative_bias=RELATIVE_BIAS,
-        one_block=ONE_BLOCK_BWD, regional=False,
+        one_block=ONE_BLOCK_BWD, regional=False, bias_half=BIAS_HALF,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -125,6 +133,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["relative_bias"] = item == "relbias"
         elif item in ("oneblock", "nooneblock"):
             variant["one_block"] = item == "oneblock"
+        elif item in ("biashalf", "biasfp32"):
+            variant["bias_half"] = item == "biashalf"
         elif item in ("regional", "wholemodel"):
             variant["regional"] = item == "regional"
         else:
@@ -159,6 +169,7 @@ def variant_label(v: dict) -> str:
     notes += ["deterministic"] if v["deterministic"] else []
     notes += [] if v["tiles_per_class"] else ["encoder tiles everywhere"]
     notes += ["relative bias"] if v["relative_bias"] else []
+    notes += ["fp16 bias"] if v["bias_half"] else []
     notes += [] if v["one_block"] else ["no one-block backward"]
     notes += ["regional compile"] if v["regional"] else []
     return ", ".join([v["attention"], *notes])
@@ -168,13 +179,13 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import t5, triton_add_norm, triton_gated_gelu
     from training.model import triton_attention as ta
 
-    defaults = (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD,
+    defaults = (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.BIAS_HALF,
                 triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy)  # fmt: skip
     tables = ta.TILE_TABLES.values()
     default_tiles = [dict(table) for table in tables]
     ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
     ta.FAR_TILES, ta.RELATIVE_BIAS = variant["far_tiles"], variant["relative_bias"]
-    ta.ONE_BLOCK_BWD = variant["one_block"]
+    ta.ONE_BLOCK_BWD, ta.BIAS_HALF = variant["one_block"], variant["bias_half"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     triton_add_norm.ENABLED = variant["triton_add_norm"]
     if not variant["tiles_per_class"]:  # the encoder's tiles everywhere, as before the sixteenth session
@@ -187,7 +198,7 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     try:
         return _run_variant(variant, args, device)
     finally:
-        (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD,
+        (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.BIAS_HALF,
          triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy) = defaults  # fmt: skip
         for table, tiles in zip(tables, default_tiles):
             table.update(tiles)

@@ -179,17 +179,31 @@ def _flags(q_src: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor, far:
 
 _LOG2E = 1.4426950408889634
 
+# The dense bias the kernels read, for bf16/fp16 inputs: fp16 (True) or fp32 (False; fp32 inputs
+# always read it in fp32). The bias is shared by the batch, so every (batch, head) program reads the
+# same (H, SQ, SK) tiles from L2: at T5 base's encoder shape that read is most of what the bias costs
+# the forward (0.28 -> 0.45 ms a layer without and with it, benchmarks/attention_fa4.py), and fp16
+# halves it. fp16 keeps 11 significant bits (the bias is clamped to its range, +-65504, which T5's
+# learned values are far inside): finer than the bf16 scores HF's T5 adds its bias to under autocast.
+# Benchmark variants `biashalf`, `biasfp32`.
+BIAS_HALF = True
+_HALF_MAX = 65504.0
 
-def _kernel_bias(bias: torch.Tensor, SQ: int, SK: int) -> torch.Tensor:
+
+def _kernel_bias(bias: torch.Tensor, SQ: int, SK: int, inputs_dtype: torch.dtype) -> torch.Tensor:
     """The (H, SQ, SK) bias as the kernels read it, in base-2 units so that scale and bias are one FMA
-    per score; a relative bias (H, SQ + SK - 1) is expanded here (`attention.dense_bias`)."""
+    per score, in fp16 under BIAS_HALF for half-precision inputs; a relative bias (H, SQ + SK - 1) is
+    expanded here (`attention.dense_bias`)."""
     if bias.numel() == 0:
         return bias
+    scaled = bias * _LOG2E
+    if BIAS_HALF and inputs_dtype != torch.float32:
+        scaled = scaled.clamp(-_HALF_MAX, _HALF_MAX).to(torch.float16)
     if bias.dim() == 2:
         from training.model.attention import dense_bias  # attention.py imports this module
 
-        return dense_bias(bias * _LOG2E, SQ, SK).contiguous()
-    return (bias * _LOG2E).contiguous()
+        return dense_bias(scaled, SQ, SK).contiguous()
+    return scaled.contiguous()
 
 
 def _even(SQ: int, SK: int, tiles: Tiles) -> dict:
@@ -215,7 +229,7 @@ def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: in
     out = torch.empty((B, SQ, H * D), dtype=q_src.dtype, device=q_src.device)
     lse = torch.empty((2, B, H, SQ), dtype=torch.float32, device=q_src.device)  # row max (base 2), 1/row sum
     flags = _flags(q_src, bias, key_mask, far, "fwd")
-    kbias = _kernel_bias(bias, SQ, SK)
+    kbias = _kernel_bias(bias, SQ, SK, q_src.dtype)
     t = FWD_TILES[tile_class(causal, flags["HAS_BIAS"], SQ)]
     grid = (triton.cdiv(SQ, t.block_m), B * H)
     wrap(_fwd_kernel)[grid](
@@ -283,7 +297,7 @@ def _launch_bwd(
     kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
     flags = _flags(q_src, bias, key_mask, far, "dq")
-    kbias = _kernel_bias(bias, SQ, SK)
+    kbias = _kernel_bias(bias, SQ, SK, q_src.dtype)
     dout, out = dout.contiguous(), out.contiguous()
     dq_src = torch.empty(q_src.shape, dtype=q_src.dtype, device=q_src.device)
     dkv_src = torch.empty(kv_src.shape, dtype=kv_src.dtype, device=kv_src.device)
@@ -522,7 +536,7 @@ def launch_settings() -> str:
     from the cache with that graph's kernels (training/model/compile_key.py)."""
     return settings_digest(
         _SOURCE_DIGEST,
-        DBIAS_PATH, DQ_PATH, DS_SUM, RELATIVE_BIAS, ONE_BLOCK_BWD, FAR_TILES, SHORT_QUERIES, TILE_TABLES,
+        DBIAS_PATH, DQ_PATH, DS_SUM, RELATIVE_BIAS, ONE_BLOCK_BWD, FAR_TILES, BIAS_HALF, SHORT_QUERIES, TILE_TABLES,
         DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
     )  # fmt: skip
 

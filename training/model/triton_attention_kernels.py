@@ -20,8 +20,8 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.constexpr,
                FAR_TILES: tl.constexpr):
-    """(BM, BN) fp32 tile of the (H, SQ, SK) bias, already in base-2 units (the host multiplies it
-    by log2(e)), for queries m0.. and keys n0... The bias is shared by the batch: the tile comes
+    """(BM, BN) fp32 tile of the (H, SQ, SK) bias (fp32 or fp16 in memory), already in base-2 units
+    (the host multiplies it by log2(e)), for queries m0.. and keys n0... The bias is shared by the batch: the tile comes
     from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
     slower: see docs/model.md.) FAR_TILES: the caller promises that the bias is one value per head
     wherever key - query >= FAR, and one wherever query - key >= FAR (T5's last buckets); a tile
@@ -31,14 +31,14 @@ def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.conste
         ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
         if FAR_TILES:  # a branch, not a masked load; the corner read outside it (docs/model.md)
             near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
-            corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0)  # (m0, n0) is inside every tile
+            corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0).to(tl.float32)  # inside every tile
             if near:
-                tile = tl.load(ptrs, mask=inside, other=0.0)
+                tile = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
             else:  # every element of a far tile has the corner's value
                 tile = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32) + corner
             return tile
         else:
-            return tl.load(ptrs, mask=inside, other=0.0)
+            return tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     else:
         return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
 

@@ -1,0 +1,217 @@
+"""FlashAttention-4's Hopper kernels (CuTe DSL) at T5 base's attention shapes, against ours.
+
+Whether Hopper-specific kernels (wgmma, TMA, warp specialisation) would take the encoder's attention,
+most of the gap to 0.12 s/step, where our FlashAttention-2-style Triton kernels cannot.
+FlashAttention-4 (`pip install flash-attn-4`, which pulls nvidia-cutlass-dsl) ships such kernels for
+sm90, forward and backward, and takes a user `score_mod` / `score_mod_bwd` written in CuTe DSL.
+Results: docs/model.md, "FlashAttention-4's Hopper kernels". This script measures, for the
+three attentions of a T5 base step (`attention_backends.SHAPES`), as the model runs them (packed
+projection outputs in, gradients of the packed sources out):
+
+- `triton`: ours through the model's `packed_attention`, compiled (the reference of the errors).
+- `triton-nobias`: ours without the bias, the like-for-like row of `fa4`.
+- `fa4`: FA4 without T5's bias (its kernels' own speed at this shape; causal for the decoder).
+- `fa4-bias`: T5's bias added by a `score_mod` that reads the dense (heads, q, k) fp32 bias the
+  model holds; the backward passes the score gradient through and computes no bias gradient.
+- `fa4-rel`: as `fa4-bias`, the bias read from T5's relative row (heads, q + k - 1) instead: 1023
+  values per head for the encoder, against the dense bias's 12 MiB.
+- `fa4-bias-grad`: also the bias gradient: the `score_mod_bwd` stores each score gradient dS in a
+  (batch, heads, q, k) bf16 buffer, which torch sums over the batch (what our kernels do with
+  theirs). This is the row that does all the model needs (in the decoder its bias gradient came
+  out wrong; docs/model.md).
+
+Prints forward and backward GPU ms per call (profiler device time, as `attention_backends.py`), the
+first call's wall time (CuTe DSL compiles then), and errors against ours. GPU only (sm90):
+
+    python benchmarks/attention_fa4.py
+    python benchmarks/attention_fa4.py --shapes enc --variants fa4,fa4-bias-grad --kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.attention_backends import SHAPES, Case, rel_err, run_model_path  # noqa: E402
+from benchmarks.cuda_timing import kernel_ms, kernel_table  # noqa: E402
+from benchmarks.options import comma_choices  # noqa: E402
+
+VARIANTS = ("triton", "triton-nobias", "fa4", "fa4-bias", "fa4-rel", "fa4-bias-grad")
+
+
+def score_mods():
+    """(forward score_mod, backward without dS, backward storing dS) in CuTe DSL. aux_tensors[0] is
+    the dense (heads, q, k) bias, aux_tensors[1] the (batch, heads, q, k) dS buffer. FA4 calls them
+    one score at a time (vec_size 1 when there are aux tensors) with the score's indices."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def scalar(ssa):
+        frag = cute.make_rmem_tensor(1, cutlass.Int32)
+        frag.store(ssa)
+        return frag[0]
+
+    @cute.jit
+    def t5_bias(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        bias = aux_tensors[0]
+        value = cute.make_rmem_tensor(1, bias.element_type)
+        value[0] = bias[scalar(head_idx), scalar(q_idx), scalar(kv_idx)]
+        return score + value.load().to(cutlass.Float32)
+
+    @cute.jit
+    def t5_bias_bwd(grad, score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return grad  # d(score + bias) / d score = 1
+
+    @cute.jit
+    def t5_bias_bwd_store(grad, score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        ds = aux_tensors[1]
+        value = cute.make_rmem_tensor(1, ds.element_type)
+        value.store(grad.to(ds.element_type))
+        ds[scalar(batch_idx), scalar(head_idx), scalar(q_idx), scalar(kv_idx)] = value[0]
+        return grad
+
+    @cute.jit
+    def t5_rel_bias(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        row, last_query = aux_tensors[0], aux_tensors[0].shape[1] // 2  # (heads, 2 * last_query + 1)
+        value = cute.make_rmem_tensor(1, row.element_type)
+        value[0] = row[scalar(head_idx), scalar(kv_idx) - scalar(q_idx) + last_query]
+        return score + value.load().to(cutlass.Float32)
+
+    return t5_bias, t5_rel_bias, t5_bias_bwd, t5_bias_bwd_store
+
+
+def head_views(src: torch.Tensor, parts: int, heads: int) -> list[torch.Tensor]:
+    """The (batch, seq, heads, d_kv) views of a packed (batch, seq, parts * heads * d_kv) tensor:
+    no copies, the sequence stride stays the packed one."""
+    b, s, width = src.shape
+    return list(src.view(b, s, parts, heads, width // parts // heads).unbind(2))
+
+
+def run_fa4(case: Case, variant: str):
+    """(forward call, forward + backward call, outputs) of FA4 on the case's packed sources, the
+    gradients written straight into packed (batch, seq, width) buffers through head views."""
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    with_bias = variant != "fa4" and case.bias.numel() > 0
+    t5_bias, t5_rel_bias, t5_bias_bwd, t5_bias_bwd_store = score_mods()
+    kv_src = case.kv_src if case.kv_src.numel() else None
+    if kv_src is None:
+        q, k, v = head_views(case.q_src, 3, case.h)
+    else:
+        (q,), (k, v) = head_views(case.q_src, 1, case.h), head_views(kv_src, 2, case.h)
+    dout = case.dout.view(case.b, case.sq, case.h, case.d)
+    ds = None
+    mods: dict = {}
+    if with_bias:
+        aux = [case.rel.float().contiguous() if variant == "fa4-rel" else case.bias.float().contiguous()]
+        if variant == "fa4-bias-grad":
+            # zeros: the causal kernels skip the tiles above the diagonal, which store no dS
+            ds = torch.zeros(case.b, case.h, case.sq, case.sk, device="cuda", dtype=torch.bfloat16)
+            aux.append(ds)
+        mods = dict(score_mod=t5_rel_bias if variant == "fa4-rel" else t5_bias, aux_tensors=aux)
+    bwd_mod = (t5_bias_bwd_store if ds is not None else t5_bias_bwd) if with_bias else None
+    common = dict(softmax_scale=1.0, causal=case.causal)  # T5 does not scale its scores
+
+    def forward():
+        out, lse, *_ = _flash_attn_fwd(q, k, v, return_lse=True, **common, **mods)
+        return out, lse
+
+    d_q_src = torch.empty_like(case.q_src)
+    d_kv_src = torch.empty_like(kv_src) if kv_src is not None else None
+    if kv_src is None:
+        dq, dk, dv = head_views(d_q_src, 3, case.h)
+    else:
+        (dq,), (dk, dv) = head_views(d_q_src, 1, case.h), head_views(d_kv_src, 2, case.h)
+
+    def backward(out, lse):
+        _flash_attn_bwd(q, k, v, out, dout, lse, dq=dq, dk=dk, dv=dv, score_mod_bwd=bwd_mod, **common, **mods)
+        return ds.sum(0, dtype=torch.float32) if ds is not None else None
+
+    def fwd():
+        forward()
+
+    def fwd_bwd():
+        backward(*forward())
+
+    out, lse = forward()
+    dbias = backward(out, lse)
+    outputs = (out.flatten(2).clone(), d_q_src.clone(), None if d_kv_src is None else d_kv_src.clone(), dbias)
+    return fwd, fwd_bwd, outputs
+
+
+def without_bias(case: Case) -> Case:
+    """The case with no bias (a shallow copy sharing its tensors)."""
+    plain = copy.copy(case)
+    plain.bias = plain.rel = case.bias.new_empty((0,))
+    plain.far = 0
+    return plain
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--d-kv", type=int, default=64)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--kernels", action="store_true", help="print each kernel's ms per forward + backward")
+    args = parser.parse_args()
+    shapes = comma_choices(args.shapes, list(SHAPES), "--shapes", "shape")
+    variants = comma_choices(args.variants, VARIANTS, "--variants", "variant")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        raise SystemExit("benchmarks/attention_fa4.py needs a Hopper GPU (sm90): FA4's sm90 kernels are measured")
+    try:
+        from importlib.metadata import version
+
+        fa4_version = version("flash-attn-4")
+        import flash_attn.cute  # noqa: F401
+    except ImportError as e:  # (PackageNotFoundError is an ImportError)
+        raise SystemExit(f"benchmarks/attention_fa4.py needs FlashAttention-4: pip install flash-attn-4 ({e})") from e
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | flash-attn-4 "
+          f"{fa4_version} | batch {args.batch_size}, {args.heads} heads, d_kv {args.d_kv}, bf16")  # fmt: skip
+    print("| shape | variant | 1st call s | fwd ms | bwd ms | sum ms | fwd TFLOP/s | bwd TFLOP/s | err out | err dq_src | err dkv_src | err dbias |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in shapes:
+        case = Case(name, args.batch_size, args.heads, args.d_kv)
+        ref = None
+        for variant in variants:
+            if variant in ("fa4-bias", "fa4-rel", "fa4-bias-grad") and not case.bias.numel():
+                continue  # the cross-attention has no bias: `fa4` is its row
+            try:
+                start = time.perf_counter()
+                if variant == "triton":
+                    fwd, fwd_bwd, outputs = run_model_path(case, "triton", compiled=True)
+                elif variant == "triton-nobias":
+                    fwd, fwd_bwd, outputs = run_model_path(without_bias(case), "triton", compiled=True)
+                else:
+                    fwd, fwd_bwd, outputs = run_fa4(case, variant)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - start
+                f_ms, total_ms = (kernel_ms(f, args.iters) for f in (fwd, fwd_bwd))
+            except Exception as e:  # noqa: BLE001 - a variant that fails here is a result too
+                print(f"| {name} | {variant} | {type(e).__name__}: {str(e)[:300]!r} |", flush=True)
+                continue
+            b_ms = total_ms - f_ms
+            if variant == "triton":
+                ref = outputs
+            errs = [rel_err(x, r) for x, r in zip(outputs, ref)] if ref is not None else ["-"] * 4
+            fl = case.flops()
+            print(f"| {name} | {variant} | {first:.1f} | {f_ms:.3f} | {b_ms:.3f} | {total_ms:.3f} | {fl / f_ms / 1e9:.0f} | "
+                  f"{2.5 * fl / b_ms / 1e9:.0f} | {' | '.join(errs)} |", flush=True)  # fmt: skip
+            if args.kernels:
+                for kernel, ms in kernel_table(fwd_bwd, args.iters).items():
+                    print(f"|   | {kernel[:100]} | | | {ms:.3f} | | | | | | | |")
+            del fwd, fwd_bwd, outputs
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
