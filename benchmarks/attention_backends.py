@@ -22,7 +22,7 @@ it: packed projection outputs in, the gradients of the bias included where there
 
 `triton` and `cudnn` run through the model's `packed_attention` under torch.compile, as in the
 training step (`--no-compile`: eager, where the launchers' torch glue runs unfused); the sdpa rows
-are eager. Prints per shape and backend: forward ms (no grad) and backward ms (forward + backward
+are eager. Prints per shape and backend: the first call's wall seconds (compiles included), forward ms (no grad) and backward ms (forward + backward
 less the forward) of GPU time per call (the profiler's device time of every kernel, averaged over
 `--iters` calls: launch gaps do not count, as in a training step where the host runs ahead), their
 sum, attention TFLOP/s (backward counted as 2.5x the forward, as FlashAttention does), and the
@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -207,10 +209,7 @@ def main() -> None:
     cudnn_version = torch.backends.cudnn.version()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | cuDNN {cudnn_version} | "
           f"batch {args.batch_size}, {args.heads} heads, d_kv {args.d_kv}, bf16")  # fmt: skip
-    print(
-        "| shape | backend | fwd ms | bwd ms | sum ms | fwd TFLOP/s | bwd TFLOP/s | err out | err dq_src | err dkv_src | err dbias |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(TABLE_HEAD)
     defaults = ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD  # run_model_path sets them per row; restored at the end
     try:
         run_table(args, shapes, backends)
@@ -218,34 +217,66 @@ def main() -> None:
         ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD = defaults
 
 
-def run_table(args: argparse.Namespace, shapes: list[str], backends: list[str]) -> None:
-    """One row per (shape, backend): times, TFLOP/s and errors against the triton row."""
+TABLE_HEAD = (
+    "| shape | backend | 1st call s | fwd ms | bwd ms | sum ms | fwd TFLOP/s | bwd TFLOP/s | err out | err dq_src | "
+    "err dkv_src | err dbias |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def timed_row(name: str, label: str, build, case: Case, ref, iters: int, kernels: bool):
+    """One table row: `build()` gives (forward call, forward + backward call, outputs); prints the
+    first build's wall seconds (compiles included), the GPU ms per call of the forward and of the
+    backward (forward + backward less the forward), their TFLOP/s (the backward counted as 2.5x the
+    forward, as FlashAttention does), and the outputs' errors against `ref` (None: dashes); with
+    `kernels`, each kernel's ms under the row. Returns the outputs, or None if building or timing
+    raised: the error is then the row (a backend that refuses a shape is a result too)."""
+    try:
+        start = time.perf_counter()
+        fwd, fwd_bwd, outputs = build()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        f_ms, total_ms = (kernel_ms(f, iters) for f in (fwd, fwd_bwd))
+    except Exception as e:  # noqa: BLE001
+        print(f"| {name} | {label} | {type(e).__name__}: {str(e)[:300]!r} |", flush=True)
+        return None
+    b_ms = total_ms - f_ms
+    errs = [rel_err(x, r) for x, r in zip(outputs, ref)] if ref is not None else ["-"] * 4
+    fl = case.flops()
+    print(f"| {name} | {label} | {first:.1f} | {f_ms:.3f} | {b_ms:.3f} | {total_ms:.3f} | {fl / f_ms / 1e9:.0f} | "
+          f"{2.5 * fl / b_ms / 1e9:.0f} | {' | '.join(errs)} |", flush=True)  # fmt: skip
+    if kernels:
+        for kernel, ms in kernel_table(fwd_bwd, iters).items():
+            print(f"|   | {kernel[:100]} | | | {ms:.3f} | | | | | | | |")
+    return outputs
+
+
+def run_rows(args: argparse.Namespace, shapes: list[str], labels: list[str], builder) -> None:
+    """One `timed_row` per (shape, label) in that order, the errors against the row labelled
+    "triton": `builder(case, label)` gives the row's build (None: no such row for this shape)."""
     for name in shapes:
         case = Case(name, args.batch_size, args.heads, args.d_kv)
         ref = None
-        for backend in backends:
-            try:
-                if backend in ("triton", "triton-rel", "triton-split", "cudnn"):
-                    fwd, fwd_bwd, outputs = run_model_path(case, backend, args.compile)
-                else:
-                    fwd, fwd_bwd, outputs = run_sdpa(case, backend)
-                torch.cuda.synchronize()
-                f_ms, total_ms = (kernel_ms(f, args.iters) for f in (fwd, fwd_bwd))
-                b_ms = total_ms - f_ms
-            except Exception as e:  # noqa: BLE001 - a backend that refuses this shape is a result too
-                print(f"| {name} | {backend} | {type(e).__name__}: {str(e)[:160]!r} |", flush=True)
+        for label in labels:
+            build = builder(case, label)
+            if build is None:
                 continue
-            if backend == "triton":
+            outputs = timed_row(name, label, build, case, ref, args.iters, args.kernels)
+            if label == "triton":
                 ref = outputs
-            errs = [rel_err(x, r) for x, r in zip(outputs, ref)] if ref is not None else ["-"] * 4
-            fl = case.flops()
-            print(f"| {name} | {backend} | {f_ms:.3f} | {b_ms:.3f} | {f_ms + b_ms:.3f} | {fl / f_ms / 1e9:.0f} | "
-                  f"{2.5 * fl / b_ms / 1e9:.0f} | {' | '.join(errs)} |", flush=True)  # fmt: skip
-            if args.kernels:
-                for kernel, ms in kernel_table(fwd_bwd, args.iters).items():
-                    print(f"|   | {kernel[:90]} | | {ms:.3f} | | | | | | | |")
-            del fwd, fwd_bwd, outputs
+            del build, outputs
             torch.cuda.empty_cache()
+
+
+def run_table(args: argparse.Namespace, shapes: list[str], backends: list[str]) -> None:
+    """One row per (shape, backend): times, TFLOP/s and errors against the triton row."""
+
+    def builder(case: Case, backend: str):
+        if backend in ("triton", "triton-rel", "triton-split", "cudnn"):
+            return partial(run_model_path, case, backend, args.compile)
+        return partial(run_sdpa, case, backend)
+
+    run_rows(args, shapes, backends, builder)
 
 
 if __name__ == "__main__":

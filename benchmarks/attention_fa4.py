@@ -32,15 +32,14 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.attention_backends import SHAPES, Case, rel_err, run_model_path  # noqa: E402
-from benchmarks.cuda_timing import kernel_ms, kernel_table  # noqa: E402
+from benchmarks.attention_backends import SHAPES, TABLE_HEAD, Case, run_model_path, run_rows  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
 
 VARIANTS = ("triton", "triton-nobias", "fa4", "fa4-bias", "fa4-rel", "fa4-bias-grad")
@@ -177,40 +176,18 @@ def main() -> None:
         raise SystemExit(f"benchmarks/attention_fa4.py needs FlashAttention-4: pip install flash-attn-4 ({e})") from e
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | flash-attn-4 "
           f"{fa4_version} | batch {args.batch_size}, {args.heads} heads, d_kv {args.d_kv}, bf16")  # fmt: skip
-    print("| shape | variant | 1st call s | fwd ms | bwd ms | sum ms | fwd TFLOP/s | bwd TFLOP/s | err out | err dq_src | err dkv_src | err dbias |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in shapes:
-        case = Case(name, args.batch_size, args.heads, args.d_kv)
-        ref = None
-        for variant in variants:
-            if variant in ("fa4-bias", "fa4-rel", "fa4-bias-grad") and not case.bias.numel():
-                continue  # the cross-attention has no bias: `fa4` is its row
-            try:
-                start = time.perf_counter()
-                if variant == "triton":
-                    fwd, fwd_bwd, outputs = run_model_path(case, "triton", compiled=True)
-                elif variant == "triton-nobias":
-                    fwd, fwd_bwd, outputs = run_model_path(without_bias(case), "triton", compiled=True)
-                else:
-                    fwd, fwd_bwd, outputs = run_fa4(case, variant)
-                torch.cuda.synchronize()
-                first = time.perf_counter() - start
-                f_ms, total_ms = (kernel_ms(f, args.iters) for f in (fwd, fwd_bwd))
-            except Exception as e:  # noqa: BLE001 - a variant that fails here is a result too
-                print(f"| {name} | {variant} | {type(e).__name__}: {str(e)[:300]!r} |", flush=True)
-                continue
-            b_ms = total_ms - f_ms
-            if variant == "triton":
-                ref = outputs
-            errs = [rel_err(x, r) for x, r in zip(outputs, ref)] if ref is not None else ["-"] * 4
-            fl = case.flops()
-            print(f"| {name} | {variant} | {first:.1f} | {f_ms:.3f} | {b_ms:.3f} | {total_ms:.3f} | {fl / f_ms / 1e9:.0f} | "
-                  f"{2.5 * fl / b_ms / 1e9:.0f} | {' | '.join(errs)} |", flush=True)  # fmt: skip
-            if args.kernels:
-                for kernel, ms in kernel_table(fwd_bwd, args.iters).items():
-                    print(f"|   | {kernel[:100]} | | | {ms:.3f} | | | | | | | |")
-            del fwd, fwd_bwd, outputs
-            torch.cuda.empty_cache()
+    print(TABLE_HEAD.replace("| backend |", "| variant |", 1))
+
+    def builder(case: Case, variant: str):
+        if variant in ("fa4-bias", "fa4-rel", "fa4-bias-grad") and not case.bias.numel():
+            return None  # the cross-attention has no bias: `fa4` is its row
+        if variant == "triton":
+            return partial(run_model_path, case, "triton", compiled=True)
+        if variant == "triton-nobias":
+            return partial(run_model_path, without_bias(case), "triton", compiled=True)
+        return partial(run_fa4, case, variant)
+
+    run_rows(args, shapes, variants, builder)
 
 
 if __name__ == "__main__":

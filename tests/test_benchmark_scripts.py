@@ -196,6 +196,57 @@ def test_gpu_only_benchmarks_say_what_they_need():
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
 
+def test_attention_benchmarks_time_a_row_or_print_why_not(monkeypatch, capsys):
+    """`attention_backends.timed_row` (both attention benchmarks' rows): the backward is the forward +
+    backward less the forward, TFLOP/s from the case's FLOPs, errors against the reference row's
+    outputs, one line per kernel with --kernels; a build that raises is its row's text, no outputs."""
+    import benchmarks.attention_backends as ab
+
+    times = {"fwd": 2.0, "fwd_bwd": 7.0}  # GPU ms per call, as the profiler would give them
+    monkeypatch.setattr(ab, "kernel_ms", lambda fn, iters: times[fn.__name__])
+    monkeypatch.setattr(ab, "kernel_table", lambda fn, iters: {"_fwd_kernel": 2.0, "_bwd_kernel": 5.0})
+    case = argparse.Namespace(flops=lambda: 4e9)
+
+    def fwd():
+        pass
+
+    def fwd_bwd():
+        pass
+
+    ref = (torch.ones(4), torch.ones(4), None, None)
+    outputs = (torch.full((4,), 1.5), torch.ones(4), None, None)
+    got = ab.timed_row("enc", "fa4", lambda: (fwd, fwd_bwd, outputs), case, ref, iters=3, kernels=True)
+    assert got is outputs
+    row, *kernel_rows = capsys.readouterr().out.strip().splitlines()
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["enc", "fa4"] and cells[3:8] == ["2.000", "5.000", "7.000", "2", "2"]
+    assert cells[8:] == ["5.0e-01", "0.0e+00", "-", "-"]
+    assert [r.split("|")[2].strip() for r in kernel_rows] == ["_fwd_kernel", "_bwd_kernel"]
+
+    def refuses():
+        raise RuntimeError("flash attention takes no bias")
+
+    assert ab.timed_row("dec", "sdpa-flash", refuses, case, ref, iters=3, kernels=True) is None
+    assert capsys.readouterr().out == "| dec | sdpa-flash | RuntimeError: 'flash attention takes no bias' |\n"
+
+
+def test_attention_benchmark_rows_compare_with_the_triton_row_and_skip_what_a_shape_lacks(monkeypatch):
+    import benchmarks.attention_backends as ab
+
+    monkeypatch.setattr(ab, "Case", lambda name, *sizes: name)
+    seen = []
+    monkeypatch.setattr(ab, "timed_row", lambda name, label, build, case, ref, iters, kernels:
+                        seen.append((name, label, build(), ref)) or f"{label} outputs")  # fmt: skip
+    args = argparse.Namespace(batch_size=2, heads=2, d_kv=8, iters=1, kernels=False)
+    builder = lambda case, label: None if (case, label) == ("cross", "fa4-bias") else (lambda: f"{case} {label}")  # noqa: E731
+    ab.run_rows(args, ["enc", "cross"], ["triton", "fa4", "fa4-bias"], builder)
+    assert seen == [
+        ("enc", "triton", "enc triton", None), ("enc", "fa4", "enc fa4", "triton outputs"),
+        ("enc", "fa4-bias", "enc fa4-bias", "triton outputs"),
+        ("cross", "triton", "cross triton", None), ("cross", "fa4", "cross fa4", "triton outputs"),
+    ]  # fmt: skip
+
+
 def test_fa4_benchmark_hands_fa4_head_views_of_the_packed_sources():
     """FA4 reads (batch, seq, heads, d_kv) views of the model's packed projection outputs and writes
     its gradients through such views into packed buffers: no copies either way."""
