@@ -21,8 +21,8 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.constexpr,
                FAR_TILES: tl.constexpr):
     """(BM, BN) fp32 tile of the (H, SQ, SK) bias (fp32 or fp16 in memory), already in base-2 units
-    (the host multiplies it by log2(e)), for queries m0.. and keys n0... The bias is shared by the batch: the tile comes
-    from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
+    (the host multiplies it by log2(e)), for queries m0.. and keys n0... The bias is shared by the
+    batch: the tile comes from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
     slower: see docs/model.md.) FAR_TILES: the caller promises that the bias is one value per head
     wherever key - query >= FAR, and one wherever query - key >= FAR (T5's last buckets); a tile
     wholly inside either region reads one element and loads nothing else."""
