@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_backends import SHAPES, TABLE_HEAD, Case, run_model_path, run_rows  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
+from training.model.cudnn_attention import head_views  # noqa: E402
 
 VARIANTS = ("triton", "triton-nobias", "fa4", "fa4-bias", "fa4-rel", "fa4-bias-grad")
 
@@ -86,11 +87,10 @@ def score_mods():
     return t5_bias, t5_rel_bias, t5_bias_bwd, t5_bias_bwd_store
 
 
-def head_views(src: torch.Tensor, parts: int, heads: int) -> list[torch.Tensor]:
-    """The (batch, seq, heads, d_kv) views of a packed (batch, seq, parts * heads * d_kv) tensor:
-    no copies, the sequence stride stays the packed one."""
-    b, s, width = src.shape
-    return list(src.view(b, s, parts, heads, width // parts // heads).unbind(2))
+def fa4_views(q_src: torch.Tensor, kv_src: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v as FA4 takes them, (batch, seq, heads, d_kv) views of the packed sources (kv_src empty:
+    self-attention [q | k | v]): no copies, the sequence stride stays the packed one."""
+    return tuple(t.transpose(1, 2) for t in head_views(q_src, kv_src, heads))
 
 
 def run_fa4(case: Case, variant: str):
@@ -100,11 +100,7 @@ def run_fa4(case: Case, variant: str):
 
     with_bias = variant != "fa4" and case.bias.numel() > 0
     t5_bias, t5_rel_bias, t5_bias_bwd, t5_bias_bwd_store = score_mods()
-    kv_src = case.kv_src if case.kv_src.numel() else None
-    if kv_src is None:
-        q, k, v = head_views(case.q_src, 3, case.h)
-    else:
-        (q,), (k, v) = head_views(case.q_src, 1, case.h), head_views(kv_src, 2, case.h)
+    q, k, v = fa4_views(case.q_src, case.kv_src, case.h)
     dout = case.dout.view(case.b, case.sq, case.h, case.d)
     ds = None
     mods: dict = {}
@@ -122,12 +118,8 @@ def run_fa4(case: Case, variant: str):
         out, lse, *_ = _flash_attn_fwd(q, k, v, return_lse=True, **common, **mods)
         return out, lse
 
-    d_q_src = torch.empty_like(case.q_src)
-    d_kv_src = torch.empty_like(kv_src) if kv_src is not None else None
-    if kv_src is None:
-        dq, dk, dv = head_views(d_q_src, 3, case.h)
-    else:
-        (dq,), (dk, dv) = head_views(d_q_src, 1, case.h), head_views(d_kv_src, 2, case.h)
+    d_q_src, d_kv_src = torch.empty_like(case.q_src), torch.empty_like(case.kv_src)  # (d_kv_src empty: self)
+    dq, dk, dv = fa4_views(d_q_src, d_kv_src, case.h)
 
     def backward(out, lse):
         _flash_attn_bwd(q, k, v, out, dout, lse, dq=dq, dk=dk, dv=dv, score_mod_bwd=bwd_mod, **common, **mods)
@@ -141,7 +133,7 @@ def run_fa4(case: Case, variant: str):
 
     out, lse = forward()
     dbias = backward(out, lse)
-    outputs = (out.flatten(2).clone(), d_q_src.clone(), None if d_kv_src is None else d_kv_src.clone(), dbias)
+    outputs = (out.flatten(2).clone(), d_q_src.clone(), d_kv_src.clone() if d_kv_src.numel() else None, dbias)
     return fwd, fwd_bwd, outputs
 
 

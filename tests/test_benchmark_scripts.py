@@ -250,10 +250,10 @@ def test_attention_benchmark_rows_compare_with_the_triton_row_and_skip_what_a_sh
 def test_fa4_benchmark_hands_fa4_head_views_of_the_packed_sources():
     """FA4 reads (batch, seq, heads, d_kv) views of the model's packed projection outputs and writes
     its gradients through such views into packed buffers: no copies either way."""
-    from benchmarks.attention_fa4 import head_views
+    from benchmarks.attention_fa4 import fa4_views
 
     packed = torch.arange(2 * 3 * 3 * 4 * 8, dtype=torch.float32).view(2, 3, 3 * 4 * 8)  # [q | k | v]
-    q, k, v = head_views(packed, 3, heads=4)
+    q, k, v = fa4_views(packed, packed.new_empty((0,)), heads=4)
     assert q.shape == k.shape == v.shape == (2, 3, 4, 8)
     assert all(t.data_ptr() - packed.data_ptr() == i * 32 * 4 for i, t in enumerate((q, k, v)))
     assert torch.equal(v[1, 2, 3], packed[1, 2, 2 * 32 + 3 * 8 : 2 * 32 + 4 * 8])
