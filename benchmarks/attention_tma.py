@@ -3,12 +3,14 @@ tensor memory accelerator (TMA) instead of per-element pointers: does the addres
 arithmetic matter in a kernel that the element-wise work bounds?
 
 `_bwd_dkdv_kernel` (training/model/triton_attention_kernels.py) computes, for every score, a pointer
-and a bounds mask for the bias load and for the dS store, even on whole tiles. This script times
-variants of that kernel on T5 base's encoder self-attention (batch 128, 512 x 512, 12 heads, d_kv 64,
-bias, dS stored for dQ and the bias gradient) at the default tiles:
+for the bias load and for the dS store, and until the twenty-fourth session a bounds mask as well,
+even on whole tiles (now only on partial ones). This script times variants of that kernel ("model
+kernel": as the model runs it) on T5 base's encoder self-attention (batch 128, 512 x 512, 12 heads,
+d_kv 64, bias, dS stored for dQ and the bias gradient) at the default tiles:
 
-- `pointers`: the kernel as the model runs it (masked bias load and dS store);
-- `unmasked`: the same pointers without the masks (the tiles are whole);
+- `pointers`: masked pointers for the bias load and the dS store (the model's kernel before the
+  twenty-fourth session);
+- `unmasked`: the same pointers without the masks (the tiles are whole), as the model's kernel now;
 - `tma-bias-ds`: the bias tile loaded and the dS tile stored through TMA descriptors;
 - `tma-q-do`: only the Q and dO tiles (the GEMMs' operands) through descriptors;
 - `tma-all`: all four.
@@ -78,7 +80,7 @@ if ta.available():
             elif BIAS_MODE == 1:
                 bias = tl.load(BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :])
             else:
-                bias = K._bias_tile(BIAS, h, sm, n0, offs_m, offs_n, SQ, SK, 0, True, False)
+                bias = K._bias_tile(BIAS, h, sm, n0, offs_m, offs_n, SQ, SK, 0, True, False, False)
             p, ds = K._probs_and_dscores(q, kt, vt, do, bias, BIAS, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                          0, LSE_STRIDE, True, False, False, True, False)
             ds_low = ds.to(q.dtype)
@@ -87,7 +89,7 @@ if ta.available():
             elif DS_MODE == 1:
                 tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds_low)
             else:  # the model's masked store
-                K._store_ds_tile(DS, ds_low, bh, offs_m, offs_n, SQ, SK)
+                K._store_ds_tile(DS, ds_low, bh, offs_m, offs_n, SQ, SK, False)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dk += tl.dot(tl.trans(ds_low), q)
         K._store_rows(DKV + K_OFF, dk, b, h, offs_n, sdkb, sdks, SK, D)
@@ -109,7 +111,7 @@ def encoder_inputs(batch: int, seq: int = 512, heads: int = 12, d_kv: int = 64) 
     K._delta_kernel[(triton.cdiv(seq, 64), batch * heads)](
         dout, out, delta, *dout.stride()[:2], *out.stride()[:2], heads, seq, D=d_kv, BLOCK_M=64, EVEN_M=True
     )
-    kbias = ta._kernel_bias(bias, seq, seq)
+    kbias = ta._kernel_bias(bias, seq, seq, qkv.dtype)
     return dict(qkv=qkv, kbias=kbias, dout=dout, lse=lse, delta=delta, heads=heads, d_kv=d_kv)
 
 

@@ -9,7 +9,9 @@ on the GPU runs from the first kernel launched inside its range to the first of 
 (the whole trace when there are no ranges). A gap is a stretch with no kernel, copy or memset running. It is "host-bound" when the
 kernel after it was launched (its cudaLaunchKernel, matched by correlation id) after the previous
 kernel had ended: the GPU ran out of queued work. Prints the step time, busy and idle time per step,
-the idle time by cause, and the largest gaps with the kernels on either side.
+the idle time by cause, and the largest gaps with the kernels on either side. `--parts` also prints
+the GPU time per step of each part of the step (GEMMs, attention, ...: `PARTS`, by kernel name) and
+its largest kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ from pathlib import Path
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel; Triton's cuLaunchKernel
 STEP_ANNOTATION = "benchmark_step"
+# The parts of a T5 step by kernel name: the first part with a name fragment that the kernel's name
+# contains takes it (our Triton kernels by their function names; inductor's are named triton_*).
+PARTS = (  # (the norm's and the GELU's kernels before attention's: their names end in _fwd_kernel too)
+    ("GEMMs (cuBLAS)", ("nvjet", "gemm", "xmma", "cutlass", "splitKreduce")),
+    ("residual add + RMS norm (ours)", ("_add_rms_norm",)),
+    ("gated GELU (ours)", ("_gated_gelu",)),
+    ("attention (ours)", ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dq_from_ds_kernel",
+                          "_bwd_one_block_kernel", "_ds_batch_sum_kernel", "_delta_kernel", "_rel_grad_reduce_kernel",
+                          "_bwd_dbias_kernel")),
+    ("torch's foreach / multi-tensor kernels", ("multi_tensor", "foreach")),
+    ("inductor's kernels (norms, casts, loss, optimizer, ...)", ("triton_",)),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,41 @@ def summarize(trace: dict, top: int = 15, min_us: float = 5.0) -> str:
     return "\n".join(lines)
 
 
+def part_of(name: str, category: str) -> str:
+    """The PARTS entry a kernel (or copy, memset) belongs to; "other" where none matches."""
+    if category != "kernel":
+        return "memsets and copies"
+    return next((part for part, fragments in PARTS if any(f in name for f in fragments)), "other")
+
+
+def parts(trace: dict, top: int = 12) -> str:
+    """GPU ms per step by part of the step, and the largest kernels (ms per step, calls per step), from
+    the kernels that start inside the step windows (the whole trace without them)."""
+    windows = step_windows(trace) or [(float("-inf"), float("inf"))]
+    events = [e for e in _events(trace) if e.get("cat") in GPU_CATEGORIES]
+    inside = [e for e in events if any(a <= float(e["ts"]) < b for a, b in windows)]
+    if not inside:
+        raise SystemExit("no GPU kernels in this trace: was it recorded with ProfilerActivity.CUDA?")
+    steps = len(windows)
+    by_part: dict[str, float] = {}
+    by_kernel: dict[str, list] = {}  # name -> [µs, calls, part]
+    for e in inside:
+        part = part_of(e["name"], e["cat"])
+        by_part[part] = by_part.get(part, 0.0) + float(e["dur"])
+        entry = by_kernel.setdefault(e["name"], [0.0, 0, part])
+        entry[0] += float(e["dur"])
+        entry[1] += 1
+    total = sum(by_part.values())
+    lines = ["| part | ms per step | share |", "|---|---|---|"]
+    for part, us in sorted(by_part.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {part} | {us / steps / 1e3:.2f} | {us / total:.1%} |")
+    lines += [f"| **all GPU work** | **{total / steps / 1e3:.2f}** | |", "",
+              f"Largest kernels ({top}):", "| ms per step | calls per step | part | kernel |", "|---|---|---|---|"]
+    for name, (us, calls, part) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {us / steps / 1e3:.2f} | {calls / steps:g} | {part} | {name[:90]} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,12 +198,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--top", type=int, default=15, help="how many of the largest gaps to list")
     parser.add_argument("--min-us", type=float, default=5.0, help="shortest gap listed or counted (µs)")
+    parser.add_argument("--parts", action="store_true", help="also the GPU time per step by part of the step")
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         raise SystemExit(
             f"{args.trace}: no such file; write one with `python -m training.benchmark --trace FILE`"
         )
-    print(summarize(json.loads(args.trace.read_text()), args.top, args.min_us))
+    trace = json.loads(args.trace.read_text())
+    print(summarize(trace, args.top, args.min_us))
+    if args.parts:
+        print()
+        print(parts(trace, args.top))
 
 
 if __name__ == "__main__":

@@ -454,6 +454,42 @@ def test_trace_gaps_finds_idle_stretches_and_host_bound_launches(tmp_path, capsy
         main([str(path)])
 
 
+def test_trace_parts_sums_each_parts_kernels_per_step(tmp_path, capsys):
+    """`trace_gaps.py --parts`: kernel time per step by part of the step (by kernel name, the first
+    matching part; copies and memsets apart), only from the kernels inside the steps' windows."""
+    from benchmarks.trace_gaps import main, part_of
+
+    assert part_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "kernel") == "GEMMs (cuBLAS)"
+    assert part_of("_bwd_dkdv_kernel", "kernel") == part_of("_ds_batch_sum_kernel", "kernel") == "attention (ours)"
+    assert part_of("_add_rms_norm_fwd_kernel", "kernel") == "residual add + RMS norm (ours)"  # not attention's
+    assert part_of("_gated_gelu_fwd_kernel", "kernel") == "gated GELU (ours)"
+    assert part_of("triton_red_fused_add_mul_0", "kernel").startswith("inductor's")
+    assert part_of("Memset (Device)", "gpu_memset") == "memsets and copies"
+    assert part_of("void at::native::vectorized_elementwise_kernel", "kernel") == "other"
+
+    def x(cat, name, ts, dur, corr):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "benchmark_step", "ts": ts, "dur": 40, "args": {}}
+              for ts in (-10, 40)]  # fmt: skip
+    for step, start in enumerate((0, 50)):  # two steps of the same kernels: 300 + 100 + 100 + 20 µs
+        for i, (cat, name, dur) in enumerate([("kernel", "nvjet_a", 300), ("kernel", "_fwd_kernel", 100),
+                                              ("kernel", "triton_poi_fused_0", 60), ("kernel", "triton_poi_fused_0", 40),
+                                              ("gpu_memset", "Memset (Device)", 20)]):  # fmt: skip
+            corr = 10 * step + i
+            events += [x(cat, name, start + i, dur, corr), x("cuda_runtime", "cudaLaunchKernel", start - 5 + i, 1, corr)]
+    events += [x("kernel", "nvjet_late", 900, 1000, 99), x("cuda_runtime", "cudaLaunchKernel", 800, 1, 99)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    main([str(path), "--parts"])
+    printed = capsys.readouterr().out
+    assert "| GEMMs (cuBLAS) | 0.30 | 57.7% |" in printed  # the kernel outside the steps is left out
+    assert "| attention (ours) | 0.10 | 19.2% |" in printed and "| memsets and copies | 0.02 | 3.8% |" in printed
+    assert "| **all GPU work** | **0.52** | |" in printed
+    assert "| 0.10 | 2 | inductor's kernels (norms, casts, loss, optimizer, ...) | triton_poi_fused_0 |" in printed
+    assert "nvjet_late" not in printed
+
+
 def test_add_norm_sweep_says_which_output_differs_and_where():
     from benchmarks.add_norm_sweep import differences
 

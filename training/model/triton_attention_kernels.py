@@ -19,13 +19,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.constexpr,
-               FAR_TILES: tl.constexpr):
+               FAR_TILES: tl.constexpr, EVEN: tl.constexpr):
     """(BM, BN) fp32 tile of the (H, SQ, SK) bias (fp32 or fp16 in memory), already in base-2 units
     (the host multiplies it by log2(e)), for queries m0.. and keys n0... The bias is shared by the
     batch: the tile comes from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
     slower: see docs/model.md.) FAR_TILES: the caller promises that the bias is one value per head
     wherever key - query >= FAR, and one wherever query - key >= FAR (T5's last buckets); a tile
-    wholly inside either region reads one element and loads nothing else."""
+    wholly inside either region reads one element and loads nothing else. EVEN: the tile lies wholly
+    inside the bias (SQ and SK are whole tiles), so the load takes no bounds mask."""
     if HAS_BIAS:
         inside = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
         ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
@@ -33,14 +34,24 @@ def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.conste
             near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
             corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0).to(tl.float32)  # inside every tile
             if near:
-                tile = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+                tile = _load_tile(ptrs, inside, EVEN).to(tl.float32)
             else:  # every element of a far tile has the corner's value
                 tile = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32) + corner
             return tile
         else:
-            return tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+            return _load_tile(ptrs, inside, EVEN).to(tl.float32)
     else:
         return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
+
+
+@triton.jit
+def _load_tile(ptrs, inside, EVEN: tl.constexpr):
+    """A tile through per-element pointers: masked by `inside` (zeros outside) unless EVEN says every
+    pointer is inside. The mask costs per element even where it is all true (docs/model.md)."""
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=inside, other=0.0)
 
 
 @triton.jit
@@ -94,11 +105,15 @@ def _store_rows(PTR, x, b, h, offs_m, sb, ss, SQ, D: tl.constexpr):
 
 
 @triton.jit
-def _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK):
+def _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN: tl.constexpr):
     """Stores the (BM, BN) dS tile, cast to DS's dtype, into the (B, H, SQ, SK) buffer at (batch,
-    head) bh, queries offs_m and keys offs_n; entries past SQ or SK are skipped."""
-    tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds.to(DS.dtype.element_ty),
-             mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+    head) bh, queries offs_m and keys offs_n; entries past SQ or SK are skipped (EVEN: there are
+    none, SQ and SK are whole tiles: no mask)."""
+    ptrs = DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
+    if EVEN:
+        tl.store(ptrs, ds.to(DS.dtype.element_ty))
+    else:
+        tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
 
 
 @triton.jit
@@ -129,7 +144,8 @@ def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OF
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
+        bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES,
+                          EVEN_M and EVEN_N)
         s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
                     EVEN_N, IEEE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -203,11 +219,12 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
         offs_m = sm + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
         do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-        bias = _bias_tile(BIAS, h, sm, pid_n * BLOCK_N, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
+        bias = _bias_tile(BIAS, h, sm, pid_n * BLOCK_N, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES,
+                          EVEN_M and EVEN_N)
         p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if STORE_DS:
-            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK)
+            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
     _store_rows(DKV + K_OFF, dk, b, h, offs_n, sdkb, sdks, SK, D)
@@ -237,11 +254,12 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
+        bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES,
+                          EVEN_M and EVEN_N)
         p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if DS_MODE == 1:
-            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK)
+            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
         elif DS_MODE == 2:
             tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
                           mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK), sem="relaxed")
@@ -283,11 +301,11 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, 0, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES)
+        bias = _bias_tile(BIAS, h, 0, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES, EVEN_M and EVEN_N)
         p, ds = _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, delta, b, offs_m, offs_n,
                                            SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if STORE_DS:
-            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK)
+            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
         ds = ds.to(q.dtype)
         _store_rows(DKV + V_OFF, _dot(tl.trans(p.to(do.dtype)), do, IEEE), b, h, offs_n, sdkb, sdks, SK, D)
         _store_rows(DKV + K_OFF, _dot(tl.trans(ds), q, IEEE), b, h, offs_n, sdkb, sdks, SK, D)
@@ -384,7 +402,7 @@ def _bwd_dbias_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
     if CAUSAL:  # tiles wholly above the diagonal have no gradient
         visible = pid_n * BLOCK_N <= pid_m * BLOCK_M + BLOCK_M - 1 + CAUSAL_OFFSET
     if visible:
-        bias = _bias_tile(BIAS, h, 0, 0, offs_m, offs_n, SQ, SK, 0, True, False)  # the same for every b
+        bias = _bias_tile(BIAS, h, 0, 0, offs_m, offs_n, SQ, SK, 0, True, False, EVEN_M and EVEN_N)  # every b's
         for b in range(0, B):
             q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
             do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
