@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "trace", type=Path, help="chrome trace JSON from torch.profiler (export_chrome_trace)"
     )
-    parser.add_argument("--top", type=int, default=15, help="how many of the largest gaps to list")
+    parser.add_argument("--top", type=int, default=15, help="how many of the largest gaps (and kernels) to list")
     parser.add_argument("--min-us", type=float, default=5.0, help="shortest gap listed or counted (µs)")
     parser.add_argument("--parts", action="store_true", help="also the GPU time per step by part of the step")
     args = parser.parse_args(argv)
