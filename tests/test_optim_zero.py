@@ -18,7 +18,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "optim_zero_worker.py"
-TOL = 1e-5  # relative, per tensor: ||w - w_ref|| / ||w_ref||, and max|w - w_ref| / max|w_ref|
+# How far a ZeRO run's final weights may be from the one-rank run's, per tensor, as fractions of the
+# reference: in norm, ||w - w_ref|| / ||w_ref|| (measured <= 3.4e-7), and in the largest element,
+# max|w - w_ref| / max|w_ref|. The element bound is looser: a rarely seen embedding row has a tiny second
+# moment, so its AdamW-style updates amplify the fp32 summation-order noise of the two-rank gradient
+# average (measured 1.01e-5 for ZeRO 1/2 and 7.3e-6 for ZeRO 3 on an AMD EPYC CPU, in shared.weight;
+# the naive flat-partition RMS is off by 0.17 there).
+TOL = 1e-5
+TOL_ELEMENT = 5e-5
 
 TWO_RANK_CASES = [
     "zero1",
@@ -100,11 +107,15 @@ def _load(runs: Path, case: str, rank: int = 0) -> dict:
     return d
 
 
-def _max_rel_diff(weights: dict, ref: dict) -> float:
+def _distance_in_tolerances(weights: dict, ref: dict) -> float:
+    """The worst tensor's distance from the reference in units of the tolerances (TOL in norm,
+    TOL_ELEMENT in the largest element): below 1 passes."""
     worst = 0.0
     for name, w_ref in ref.items():
         diff = weights[name] - w_ref
-        worst = max(worst, float(diff.norm() / w_ref.norm()), float(diff.abs().max() / w_ref.abs().max()))
+        norm = float(diff.norm() / w_ref.norm()) / TOL
+        element = float(diff.abs().max() / w_ref.abs().max()) / TOL_ELEMENT
+        worst = max(worst, norm, element)
     return worst
 
 
@@ -112,15 +123,15 @@ def _max_rel_diff(weights: dict, ref: dict) -> float:
 def test_zero_stage_matches_single_rank_zero0(runs, stage):
     ref = _load(runs, "zero0")
     assert ref["n_bound"] == 0  # fp32 ZeRO 0: DeepSpeed steps the model's own tensors
-    moved = _max_rel_diff(ref["weights"], ref["w0"])
-    assert moved > 100 * TOL, "the reference run barely moved the weights: the test would have no teeth"
+    moved = _distance_in_tolerances(ref["weights"], ref["w0"])
+    assert moved > 100, "the reference run barely moved the weights: the test would have no teeth"
     for rank in (0, 1):
         d = _load(runs, f"zero{stage}", rank)
         assert d["n_bound"] >= 1
         if stage != "2_round_robin":  # the reordered layout happens to cut between tensors here
             assert d["split_mid_tensor"], "partitions must cut tensors mid-way"
         assert d["mapping_error"] == 0.0
-        assert _max_rel_diff(d["weights"], ref["weights"]) < TOL
+        assert _distance_in_tolerances(d["weights"], ref["weights"]) < 1
         if stage == "3_blocks":  # training.zero3_compile: the blocks ran as graphs (encoder, decoder),
             assert d["compiled_graphs"] >= 2  # with torch's own F.linear (DeepSpeed's reads ds_id: a
             assert not d["linear_replaced"]  # recompile per block on the GPU)
@@ -134,7 +145,7 @@ def test_zero_stage_matches_single_rank_zero0(runs, stage):
 def test_naive_flat_partition_rms_fails_parity(runs, stage):
     ref = _load(runs, "zero0")
     d = _load(runs, f"zero{stage}_naive")
-    assert _max_rel_diff(d["weights"], ref["weights"]) > 10 * TOL
+    assert _distance_in_tolerances(d["weights"], ref["weights"]) > 10
 
 
 @pytest.mark.parametrize("case", ["zero1", "zero2", "zero3"])
@@ -166,7 +177,7 @@ def test_bf16_paths_map_and_train(runs, case, wrapper):
     for name, w in d0["weights"].items():
         assert torch.isfinite(w).all()
         assert torch.equal(w, d1["weights"][name])  # ranks agree
-    assert _max_rel_diff(d0["weights"], d0["w0"]) > 1e-3  # it trained
+    assert _distance_in_tolerances(d0["weights"], d0["w0"]) > 100  # it trained
     own = math.sqrt(sum(float(w.double().pow(2).sum()) for w in d0["weights"].values()))
     assert d0["weight_l2_norm"] == pytest.approx(own, rel=1e-2)  # fp32 master vs bf16 copy
 
