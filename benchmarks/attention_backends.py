@@ -192,15 +192,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--d-kv", type=int, default=64)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    add_case_options(parser)
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
-    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="triton and cudnn through torch.compile, as the training step runs them")  # fmt: skip
-    parser.add_argument("--kernels", action="store_true", help="print each kernel's ms per forward + backward")
     args = parser.parse_args()
     shapes = comma_choices(args.shapes, list(SHAPES), "--shapes", "shape")
     backends = comma_choices(args.backends, BACKENDS, "--backends", "backend")
@@ -215,6 +210,17 @@ def main() -> None:
         run_table(args, shapes, backends)
     finally:
         ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD = defaults
+
+
+def add_case_options(parser: argparse.ArgumentParser) -> None:
+    """The options `run_rows` reads (the cases' sizes and shapes, the timing), shared by the attention
+    benchmarks that print through it."""
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--d-kv", type=int, default=64)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--kernels", action="store_true", help="print each kernel's ms per forward + backward")
 
 
 TABLE_HEAD = (

@@ -39,7 +39,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.attention_backends import SHAPES, TABLE_HEAD, Case, run_model_path, run_rows  # noqa: E402
+from benchmarks.attention_backends import (  # noqa: E402
+    SHAPES,
+    TABLE_HEAD,
+    Case,
+    add_case_options,
+    run_model_path,
+    run_rows,
+)
 from benchmarks.options import comma_choices  # noqa: E402
 from training.model.cudnn_attention import head_views  # noqa: E402
 
@@ -147,13 +154,8 @@ def without_bias(case: Case) -> Case:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--d-kv", type=int, default=64)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    add_case_options(parser)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--kernels", action="store_true", help="print each kernel's ms per forward + backward")
     args = parser.parse_args()
     shapes = comma_choices(args.shapes, list(SHAPES), "--shapes", "shape")
     variants = comma_choices(args.variants, VARIANTS, "--variants", "variant")
