@@ -220,11 +220,24 @@ def _layout(q_src: torch.Tensor, kv_src: torch.Tensor, heads: int) -> tuple[torc
     return kv_src, hd // heads, 0, hd
 
 
+def _check_lengths(SQ: int, SK: int, causal: bool) -> None:
+    """The kernels' loops over key (or query) blocks tell the compiler they run at least once
+    (`tl.assume`: without it ptxas serializes their wgmma, tests/test_kernels_sm90.py). That holds
+    with a query and a key at least and, for causal attention, no more queries than keys."""
+    if SQ < 1 or SK < 1 or (causal and SQ > SK):
+        raise ValueError(
+            f"the fused attention got {SQ} queries x {SK} keys{' (causal)' if causal else ''}: it needs at "
+            "least one of each, and causal attention no more queries than keys (the first queries would "
+            "see no key); use the math attention backend for such shapes"
+        )
+
+
 def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: int = 0, wrap=lambda kernel: kernel):
     """out (B, SQ, H * D) and the row statistics (2, B, H, SQ) for the backward. far > 0: the bias is
     constant per head and direction wherever |key - query| >= far (see _bias_tile)."""
     kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
+    _check_lengths(SQ, SK, causal)
     out = torch.empty((B, SQ, H * D), dtype=q_src.dtype, device=q_src.device)
     lse = torch.empty((2, B, H, SQ), dtype=torch.float32, device=q_src.device)  # row max (base 2), 1/row sum
     flags = _flags(q_src, bias, key_mask, far, "fwd")
@@ -295,6 +308,7 @@ def _launch_bwd(
     empty gradient) and of the bias, in its shape: dense (H, SQ, SK) or relative (H, SQ + SK - 1)."""
     kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
+    _check_lengths(SQ, SK, causal)
     flags = _flags(q_src, bias, key_mask, far, "dq")
     kbias = _kernel_bias(bias, SQ, SK, q_src.dtype)
     dout, out = dout.contiguous(), out.contiguous()

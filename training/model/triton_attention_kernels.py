@@ -1,6 +1,11 @@
 """The Triton kernels of the fused T5 attention. `training/model/triton_attention.py` launches them,
 holds their tile sizes and switches, and its docstring says what each kernel computes and why the
 per-score work is kept small. Imported only where the triton package is installed.
+
+Each loop over key or query blocks follows a `tl.assume` that it runs at least once, which the
+launchers' `_check_lengths` makes true. Where the loop might run zero times, ptxas serializes every
+wgmma of the kernel (its warning C7515; tests/test_kernels_sm90.py): the encoder layer's attention
+ran 8% slower so (docs/model.md, "wgmma serialized by ptxas").
 """
 
 from __future__ import annotations
@@ -141,6 +146,7 @@ def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OF
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     end_n = _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M, CAUSAL)
+    tl.assume(end_n > 0)  # a key block at least (`_check_lengths`); else ptxas serializes the wgmma
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
@@ -215,6 +221,7 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
     start_m = 0
     if CAUSAL:  # query rows before (key - offset) cannot see this key block
         start_m = tl.maximum(pid_n * BLOCK_N - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M
+    tl.assume(SQ > start_m)
     for sm in range(start_m, SQ, BLOCK_M):
         offs_m = sm + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
@@ -250,6 +257,7 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
     do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     end_n = _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M, CAUSAL)
+    tl.assume(end_n > 0)
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
@@ -297,6 +305,7 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
     row_max = tl.load(LSE + bh * SQ + offs_m, mask=in_m, other=0.0)
     inv_sum = tl.load(LSE + LSE_STRIDE + bh * SQ + offs_m, mask=in_m, other=0.0)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    tl.assume(SK > 0)
     for start_n in range(0, SK, BLOCK_N):  # every key: BLOCK_M >= SQ reaches the causal diagonal's end
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
@@ -343,6 +352,7 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ,
         upper = tl.arange(0, BLOCK_M)[:, None] + r[None, :] + 1
         chunks = DREL + (bh.to(tl.int64) * tl.num_programs(0) + pid_m) * CHUNKS * BLOCK_N + r
         carry = tl.zeros([BLOCK_N], dtype=tl.float32)
+    tl.assume(end_n > 0)
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
