@@ -160,7 +160,7 @@ def test_launch_settings_digest_every_setting_the_launchers_read(monkeypatch):
     from training.model import triton_attention as ta
 
     base = ta.launch_settings()
-    changes = [("DQ_PATH", "recompute"), ("DBIAS_PATH", "atomic"), ("DS_SUM", "torch"), ("FAR_TILES", ()),
+    changes = [("DQ_PATH", "recompute"), ("DBIAS_PATH", "atomic"), ("DS_SUM", "torch"), ("FAR_TILES", () if ta.FAR_TILES else ("fwd",)),
                ("ONE_BLOCK_BWD", not ta.ONE_BLOCK_BWD), ("RELATIVE_BIAS", not ta.RELATIVE_BIAS),
                ("BIAS_HALF", not ta.BIAS_HALF),
                ("DS_SUM_BLOCK", 512), ("DELTA_BLOCK_M", 32), ("SHORT_QUERIES", 64),

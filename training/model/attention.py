@@ -73,9 +73,10 @@ def relative_position_bucket(
 def bias_saturation_distance(bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> int:
     """The smallest d such that every |key - query| >= d falls in the last bucket of its direction,
     so that T5's bias is one value per head there (91 for T5's encoder, 113 for its decoder; in the
-    decoder, keys after the query all share bucket 0 anyway). The fused kernel skips the bias loads
-    of tiles wholly beyond it (`triton_attention.FAR_TILES`). 0 (no promise) when max_distance does
-    not exceed the exact buckets' range: the log buckets then do not end at max_distance."""
+    decoder, keys after the query all share bucket 0 anyway). The fused kernels named in
+    `triton_attention.FAR_TILES` (none by default) skip the bias loads of tiles wholly beyond it. 0
+    (no promise) when max_distance does not exceed the exact buckets' range: the log buckets then do
+    not end at max_distance."""
     max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
     if max_distance <= max_exact:
         return 0

@@ -158,10 +158,13 @@ if _HAS_TRITON:
 
 # Far tiles (benchmark variants `fartiles`, `fartiles=fwd+dq`, `nofartiles`): with a bias that says
 # from which distance it is constant (T5's, through `far`), the kernels named in FAR_TILES skip the
-# bias loads of tiles wholly beyond that distance. The forward only by default: measured there
-# 0.65 -> 0.47 ms per encoder layer, and no faster in the dQ or dK/dV kernel (docs/model.md).
+# bias loads of tiles wholly beyond that distance. Off by default since the twenty-fifth session:
+# once ptxas stopped serializing the kernels' wgmma (`_check_lengths`), reading every tile through
+# the pipelined loads is the faster forward (0.351 against 0.421 ms per encoder layer), and the
+# branch slows dK/dV (0.748 -> 0.976 ms). It was on in the forward from the eighth session
+# (0.65 -> 0.47 ms then, with serialized wgmma and the fp32 bias; docs/model.md).
 FAR_TILE_KERNELS = ("fwd", "dq", "dkdv")
-FAR_TILES: tuple[str, ...] = ("fwd",)
+FAR_TILES: tuple[str, ...] = ()
 
 
 def _flags(q_src: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor, far: int, kernel: str) -> dict:
