@@ -8,6 +8,7 @@ final full weights, the optimizer's `weight_l2_norm()` and layout facts to OUT_D
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -149,6 +150,7 @@ def run_case(
         split_mid_tensor |= any(0 < v < lay.tensor_numels[t] for t, v in here.items())
 
     mapping_error = 0.0
+    mapping_detail = []  # per tensor that did not map back: enough to tell which copy was wrong
     if bind and layouts:  # the layout must put every element back where it came from
         rebuilt = reconstruct_from_layouts(opt, layouts)
         names = dict(engine.module.named_parameters())
@@ -161,9 +163,30 @@ def run_case(
                 got = rebuilt[li][t].to(ref.dtype).float()
                 ref = ref.float()
                 assert got.numel() == ref.numel(), (tname, got.numel(), ref.numel())
-                mapping_error = max(
-                    mapping_error, float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
-                )
+                err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+                if not math.isfinite(err):  # max() would silently drop a NaN
+                    err = math.inf
+                mapping_error = max(mapping_error, err)
+                if err > 0.0:
+                    # every rank built the same seeded model: both copies must still equal it
+                    init = w0[tname].reshape(-1).to(by_name[tname].dtype).float()
+                    diff = (got != ref).nonzero().flatten()
+                    mapping_detail.append(
+                        dict(
+                            layout=li,
+                            tensor=tname,
+                            error=err,
+                            numel=ref.numel(),
+                            n_diff=int(diff.numel()),
+                            first_diff=int(diff[0]) if diff.numel() else -1,
+                            zeros_rebuilt=int((got == 0).sum()),
+                            zeros_gathered=int((ref == 0).sum()),
+                            rebuilt_equals_w0=bool(torch.equal(got, init)),
+                            gathered_equals_w0=bool(torch.equal(ref, init)),
+                        )
+                    )
+        if mapping_detail:
+            print(f"{name} rank {rank}: mapping_error {mapping_error}: {mapping_detail[:8]}", flush=True)
 
     resume = name.endswith("_resume")
     for step, (input_ids, labels) in enumerate(batches(rank, world)):
@@ -195,6 +218,7 @@ def run_case(
             model_kind=model_kind,
             split_mid_tensor=split_mid_tensor,
             mapping_error=mapping_error,
+            mapping_detail=mapping_detail,
             skipped=opt.skipped_steps,
             engine_skipped=engine.skipped_steps,
             linear_replaced=linear_replaced,
