@@ -15,6 +15,9 @@ d_kv 64, bias, dS stored for dQ and the bias gradient) at the default tiles:
 - `tma-q-do`: only the Q and dO tiles (the GEMMs' operands) through descriptors;
 - `tma-all`: all four.
 
+The variants' loop carries the model kernel's `tl.assume` (twenty-fifth session): without it ptxas
+serializes their wgmma, and the comparison would measure that instead of the loads and stores.
+
 Each variant's dK, dV and dS must equal the model's kernel bit for bit (checked). Needs an sm_90
 GPU and a Triton with host-side tensor descriptors (`triton.tools.tensor_descriptor`).
 
@@ -67,6 +70,7 @@ if ta.available():
         vt = K._load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, True)
         dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+        tl.assume(SQ > 0)  # as the model's kernel: else ptxas serializes the wgmma (triton_attention_kernels)
         for sm in range(0, SQ, BLOCK_M):
             offs_m = sm + tl.arange(0, BLOCK_M)
             if Q_MODE == 2:
@@ -88,7 +92,7 @@ if ta.available():
                 ds_desc.store([bh * SQ + sm, n0], ds_low)
             elif DS_MODE == 1:
                 tl.store(DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds_low)
-            else:  # the model's masked store
+            else:  # masked, as the model's store before the twenty-fourth session
                 K._store_ds_tile(DS, ds_low, bh, offs_m, offs_n, SQ, SK, False)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dk += tl.dot(tl.trans(ds_low), q)
