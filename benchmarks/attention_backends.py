@@ -34,6 +34,8 @@ gradient is first summed per key - query offset, the gradient of T5's relative r
     python benchmarks/attention_backends.py --shapes enc --backends triton,triton-rel --kernels
 
 `--kernels` also prints, under each row, the GPU ms per call of every kernel of forward + backward.
+`--far-tiles fwd` (or `fwd,dkdv`, ...; default: the model's, none) sets which of our kernels skip the
+bias loads of tiles beyond T5's saturation distance.
 """
 
 from __future__ import annotations
@@ -196,20 +198,28 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="triton and cudnn through torch.compile, as the training step runs them")  # fmt: skip
+    parser.add_argument("--far-tiles", default=",".join(ta.FAR_TILES) or "none",
+                        help=f"the triton kernels that skip far tiles' bias loads (triton_attention.FAR_TILES): "
+                             f"a comma list of {', '.join(ta.FAR_TILE_KERNELS)}, or none")  # fmt: skip
     args = parser.parse_args()
     shapes = comma_choices(args.shapes, list(SHAPES), "--shapes", "shape")
     backends = comma_choices(args.backends, BACKENDS, "--backends", "backend")
+    far_tiles = () if args.far_tiles == "none" else tuple(
+        comma_choices(args.far_tiles, ta.FAR_TILE_KERNELS, "--far-tiles", "kernel")
+    )
     if not ta.available():
         raise SystemExit("benchmarks/attention_backends.py needs triton and a CUDA GPU")
     cudnn_version = torch.backends.cudnn.version()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | cuDNN {cudnn_version} | "
-          f"batch {args.batch_size}, {args.heads} heads, d_kv {args.d_kv}, bf16")  # fmt: skip
+          f"batch {args.batch_size}, {args.heads} heads, d_kv {args.d_kv}, bf16, "
+          f"far tiles in {'+'.join(far_tiles) or 'no kernel'}")  # fmt: skip
     print(TABLE_HEAD)
-    defaults = ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD  # run_model_path sets them per row; restored at the end
+    defaults = ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.FAR_TILES  # run_model_path sets the first two per row
+    ta.FAR_TILES = far_tiles
     try:
         run_table(args, shapes, backends)
     finally:
-        ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD = defaults
+        ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.FAR_TILES = defaults
 
 
 def add_case_options(parser: argparse.ArgumentParser) -> None:

@@ -196,6 +196,27 @@ def test_gpu_only_benchmarks_say_what_they_need():
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
 
+def test_attention_outputs_names_what_differs_and_says_what_it_needs(tmp_path):
+    """`attention_outputs.py`: per case, the tensors not bit-identical to another checkout's (a case
+    that file lacks counts as all different; None matches only None); without a GPU it says what it
+    needs, and a missing --against file is named before any work."""
+    from benchmarks.attention_outputs import NAMES, differing
+
+    a, b = torch.arange(6.0), torch.arange(6.0)
+    old = {"enc 512x512": [a, a, None, a], "dec 114x114": [a, a, None, a]}
+    new = {"enc 512x512": [b, b, None, b], "dec 114x114": [b, b + 1e-7, a, b], "cross 114x512": [b, b, b, None]}
+    assert differing(new, old) == {"enc 512x512": [], "dec 114x114": ["dq_src", "dkv_src"], "cross 114x512": list(NAMES)}
+    script = [sys.executable, "benchmarks/attention_outputs.py", str(tmp_path / "new.pt")]
+    r = subprocess.run([*script, "--against", str(tmp_path / "old.pt")], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode != 0 and "old.pt: no such file" in r.stderr, r.stderr[-500:]
+    if not torch.cuda.is_available():
+        r = subprocess.run(script, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "needs triton and a CUDA GPU" in r.stderr, r.stderr[-500:]
+    r = subprocess.run([sys.executable, "benchmarks/attention_backends.py", "--far-tiles", "bwd"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and "--far-tiles: unknown kernel 'bwd'" in r.stderr, r.stderr[-500:]
+
+
 def test_attention_benchmarks_time_a_row_or_print_why_not(monkeypatch, capsys):
     """`attention_backends.timed_row` (both attention benchmarks' rows): the backward is the forward +
     backward less the forward, TFLOP/s from the case's FLOPs, errors against the reference row's
