@@ -490,6 +490,31 @@ def test_fused_cross_entropy_matches_reference_loss_and_grads():
     torch.testing.assert_close(weight.grad, w2.grad)
 
 
+def test_fused_cross_entropy_gradient_is_softmax_minus_one_hot_bit_for_bit():
+    """The logits' gradient is formed element-wise (a comparison with the vocabulary's indices, so
+    that inductor can fuse it): exactly the values of the in-place scatter it replaced,
+    (exp(logits - lse) with -1 added at the target) / n_valid, rows of ignored labels 0."""
+    from training.model.cross_entropy import _loss_and_grads
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(37, 16), torch.randn(1000, 16)
+    labels = torch.randint(0, 1000, (37,))
+    labels[::5] = -100
+    _, grad_h, grad_w = _loss_and_grads(hidden, weight, labels, chunk_rows=8)
+    scale = (labels != -100).float() * (1.0 / (labels != -100).sum().float())
+    want_w = torch.zeros_like(weight)
+    for start in range(0, 37, 8):  # chunk by chunk, as the function forms the products
+        rows = slice(start, start + 8)
+        logits = hidden[rows] @ weight.t()
+        grad = torch.exp(logits - torch.logsumexp(logits, dim=-1)[:, None])
+        grad.scatter_add_(1, labels[rows].clamp(min=0)[:, None], -torch.ones(grad.shape[0], 1))
+        grad = grad * scale[rows, None]
+        assert torch.equal(grad_h[rows], grad @ weight)
+        want_w += grad.t() @ hidden[rows]
+        assert not grad[labels[rows] == -100].any()
+    assert torch.equal(grad_w, want_w)
+
+
 def test_fused_cross_entropy_under_bf16_autocast_matches_the_bf16_head():
     """Under autocast the fused loss runs the head's matmuls in bf16 like nn.Linear would, and its
     gradients reach the fp32 hidden states and weight in fp32 (what the casts' backward gives)."""
