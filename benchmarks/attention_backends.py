@@ -8,6 +8,9 @@ it: packed projection outputs in, the gradients of the bias included where there
 - `triton`: ours (training/model/triton_attention.py), with the model's defaults.
 - `triton-rel`: ours given T5's relative bias row (heads, Sq + Sk - 1) instead of the dense bias,
   summing its gradient per key - query offset in the dQ kernel (`triton_attention.RELATIVE_BIAS`).
+- `triton-nobias`: ours with the same inputs but no bias (the encoder and the decoder; the
+  cross-attention has none): what T5's bias and its gradient cost the row above, without
+  FlashAttention-4 installed (`benchmarks/attention_fa4.py` has the same row beside FA4's).
 - `triton-split`: ours with the backward of short queries (the decoder's, the cross-attention's)
   as the dK/dV and dQ kernels of long queries instead of the one-block kernel
   (`triton_attention.ONE_BLOCK_BWD` off).
@@ -41,6 +44,7 @@ bias loads of tiles beyond T5's saturation distance.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from functools import partial
@@ -62,7 +66,7 @@ from training.model.attention import (  # noqa: E402
 )
 from training.model.cudnn_attention import head_views  # noqa: E402
 
-BACKENDS = ("triton", "triton-rel", "triton-split", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
+BACKENDS = ("triton", "triton-rel", "triton-nobias", "triton-split", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
 SHAPES = {  # name -> (query length, key length, causal, has a bias)
     "enc": (512, 512, False, True),
     "dec": (114, 114, True, True),
@@ -101,6 +105,14 @@ class Case:
     def flops(self) -> float:
         pairs = self.sq * self.sk if not self.causal else self.sq * (self.sq + 1) / 2
         return 4 * self.b * self.h * pairs * self.d
+
+
+def without_bias(case: Case) -> Case:
+    """The case with no bias (a shallow copy sharing its tensors)."""
+    plain = copy.copy(case)
+    plain.bias = plain.rel = case.bias.new_empty((0,))
+    plain.far = 0
+    return plain
 
 
 def run_model_path(case: Case, backend: str, compiled: bool):
@@ -277,7 +289,9 @@ def run_rows(args: argparse.Namespace, shapes: list[str], labels: list[str], bui
             build = builder(case, label)
             if build is None:
                 continue
-            outputs = timed_row(name, label, build, case, ref, args.iters, args.kernels)
+            # a row without the bias has other outputs than the reference's: no errors (dashes)
+            outputs = timed_row(name, label, build, case, None if label == "triton-nobias" else ref, args.iters,
+                                args.kernels)  # fmt: skip
             if label == "triton":
                 ref = outputs
             del build, outputs
@@ -288,6 +302,8 @@ def run_table(args: argparse.Namespace, shapes: list[str], backends: list[str]) 
     """One row per (shape, backend): times, TFLOP/s and errors against the triton row."""
 
     def builder(case: Case, backend: str):
+        if backend == "triton-nobias":
+            return partial(run_model_path, without_bias(case), "triton", args.compile) if case.bias.numel() else None
         if backend in ("triton", "triton-rel", "triton-split", "cudnn"):
             return partial(run_model_path, case, backend, args.compile)
         return partial(run_sdpa, case, backend)

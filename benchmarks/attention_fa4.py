@@ -30,7 +30,6 @@ first call's wall time (CuTe DSL compiles then), and errors against ours. GPU on
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from functools import partial
 from pathlib import Path
@@ -46,6 +45,7 @@ from benchmarks.attention_backends import (  # noqa: E402
     add_case_options,
     run_model_path,
     run_rows,
+    without_bias,
 )
 from benchmarks.options import comma_choices  # noqa: E402
 from training.model.cudnn_attention import head_views  # noqa: E402
@@ -142,14 +142,6 @@ def run_fa4(case: Case, variant: str):
     dbias = backward(out, lse)
     outputs = (out.flatten(2).clone(), d_q_src.clone(), d_kv_src.clone() if d_kv_src.numel() else None, dbias)
     return fwd, fwd_bwd, outputs
-
-
-def without_bias(case: Case) -> Case:
-    """The case with no bias (a shallow copy sharing its tensors)."""
-    plain = copy.copy(case)
-    plain.bias = plain.rel = case.bias.new_empty((0,))
-    plain.far = 0
-    return plain
 
 
 def main() -> None:

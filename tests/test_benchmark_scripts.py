@@ -187,6 +187,7 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/gemm_shapes.py", "needs a CUDA GPU"),
                          ("benchmarks/fp8_gemm_shapes.py", "needs a CUDA GPU with FP8 tensor cores"),
                          ("benchmarks/rms_norm.py", "needs a CUDA GPU"),
+                         ("benchmarks/cross_entropy.py", "needs a CUDA GPU"),
                          ("benchmarks/add_norm_sweep.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/decode_steps.py", "needs a CUDA GPU"),
                          ("benchmarks/ffn_epilogue.py", "needs triton and a CUDA GPU"),
@@ -260,12 +261,34 @@ def test_attention_benchmark_rows_compare_with_the_triton_row_and_skip_what_a_sh
                         seen.append((name, label, build(), ref)) or f"{label} outputs")  # fmt: skip
     args = argparse.Namespace(batch_size=2, heads=2, d_kv=8, iters=1, kernels=False)
     builder = lambda case, label: None if (case, label) == ("cross", "fa4-bias") else (lambda: f"{case} {label}")  # noqa: E731
-    ab.run_rows(args, ["enc", "cross"], ["triton", "fa4", "fa4-bias"], builder)
+    ab.run_rows(args, ["enc", "cross"], ["triton", "fa4", "fa4-bias", "triton-nobias"], builder)
     assert seen == [
         ("enc", "triton", "enc triton", None), ("enc", "fa4", "enc fa4", "triton outputs"),
         ("enc", "fa4-bias", "enc fa4-bias", "triton outputs"),
+        ("enc", "triton-nobias", "enc triton-nobias", None),  # other outputs than the bias row's: no errors
         ("cross", "triton", "cross triton", None), ("cross", "fa4", "cross fa4", "triton outputs"),
+        ("cross", "triton-nobias", "cross triton-nobias", None),
     ]  # fmt: skip
+
+
+def test_attention_benchmark_nobias_row_drops_only_the_bias(monkeypatch):
+    """`triton-nobias` runs the case's own inputs without its bias (and without far tiles, which
+    need one); a case without a bias (the cross-attention) has no such row."""
+    import benchmarks.attention_backends as ab
+
+    case = argparse.Namespace(q_src=torch.ones(2, 3), kv_src=torch.empty(0), bias=torch.ones(2, 3, 3),
+                              rel=torch.ones(2, 5), far=91)  # fmt: skip
+    plain = ab.without_bias(case)
+    assert plain.q_src is case.q_src and plain.kv_src is case.kv_src
+    assert plain.bias.numel() == plain.rel.numel() == plain.far == 0
+    assert case.bias.shape == (2, 3, 3) and case.far == 91  # the case itself keeps its bias
+    monkeypatch.setattr(ab, "run_model_path", lambda c, backend, compiled: (c.bias.numel(), backend, compiled))
+    builders = []
+    monkeypatch.setattr(ab, "run_rows", lambda args, shapes, labels, builder: builders.append(builder))
+    ab.run_table(argparse.Namespace(compile=True), ["enc"], ["triton-nobias"])
+    (builder,) = builders
+    assert builder(case, "triton-nobias")() == (0, "triton", True)  # the model's path, the bias dropped
+    assert builder(plain, "triton-nobias") is None  # no bias to drop: no row
 
 
 def test_fa4_benchmark_hands_fa4_head_views_of_the_packed_sources():

@@ -23,6 +23,12 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _inside(offs_m, offs_n, SQ, SK):
+    """(BM, BN) mask of the tile's entries that lie inside the (SQ, SK) scores: queries offs_m, keys offs_n."""
+    return (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
+
+
+@triton.jit
 def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.constexpr,
                FAR_TILES: tl.constexpr, EVEN: tl.constexpr):
     """(BM, BN) fp32 tile of the (H, SQ, SK) bias (fp32 or fp16 in memory), already in base-2 units
@@ -33,7 +39,7 @@ def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.conste
     wholly inside either region reads one element and loads nothing else. EVEN: the tile lies wholly
     inside the bias (SQ and SK are whole tiles), so the load takes no bounds mask."""
     if HAS_BIAS:
-        inside = (offs_m[:, None] < SQ) & (offs_n[None, :] < SK)
+        inside = _inside(offs_m, offs_n, SQ, SK)
         ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
         if FAR_TILES:  # a branch, not a masked load; the corner read outside it (docs/model.md)
             near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
@@ -118,7 +124,7 @@ def _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN: tl.constexpr):
     if EVEN:
         tl.store(ptrs, ds.to(DS.dtype.element_ty))
     else:
-        tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+        tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=_inside(offs_m, offs_n, SQ, SK))
 
 
 @triton.jit
@@ -270,7 +276,7 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
             _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
         elif DS_MODE == 2:
             tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
-                          mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK), sem="relaxed")
+                          mask=_inside(offs_m, offs_n, SQ, SK), sem="relaxed")
         dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
     _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
 
@@ -359,8 +365,7 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ,
         if EVEN_M and EVEN_N:
             ds = tl.load(ds_rows + offs_n[None, :])
         else:
-            ds = tl.load(ds_rows + offs_n[None, :], mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK),
-                         other=0.0)
+            ds = tl.load(ds_rows + offs_n[None, :], mask=_inside(offs_m, offs_n, SQ, SK), other=0.0)
         dq += _dot(ds, tl.trans(kt), IEEE)
         if REL_GRAD:  # rows and columns past SQ, SK loaded as 0: they add nothing
             low = tl.where(lower >= 0, tl.gather(ds, tl.maximum(lower, 0), 1), 0.0)
@@ -422,7 +427,7 @@ def _bwd_dbias_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
                                        SK, CAUSAL_OFFSET, LSE_STRIDE, True, HAS_MASK, CAUSAL, EVEN_N, IEEE)
             acc += ds
     tl.store(DBIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], acc,
-             mask=(offs_m[:, None] < SQ) & (offs_n[None, :] < SK))
+             mask=_inside(offs_m, offs_n, SQ, SK))
 # fmt: on
 
 
