@@ -5,7 +5,10 @@ per-score work is kept small. Imported only where the triton package is installe
 Each loop over key or query blocks follows a `tl.assume` that it runs at least once, which the
 launchers' `_check_lengths` makes true. Where the loop might run zero times, ptxas serializes every
 wgmma of the kernel (its warning C7515; tests/test_kernels_sm90.py): the encoder layer's attention
-ran 8% slower so (docs/model.md, "wgmma serialized by ptxas").
+ran 8% slower so (docs/model.md, "wgmma serialized by ptxas"). The exception: the dK/dV kernel with
+query blocks thinner than 64 rows, where the assumption made Triton 3.6's code race (docs/model.md,
+"A race in the dK/dV kernel with thin query blocks"; tests/test_model_gpu.py checks every
+assumption against the kernels without them).
 """
 
 from __future__ import annotations
@@ -227,7 +230,10 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
     start_m = 0
     if CAUSAL:  # query rows before (key - offset) cannot see this key block
         start_m = tl.maximum(pid_n * BLOCK_N - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M
-    tl.assume(SQ > start_m)
+    if BLOCK_M >= 64:  # a query block at least (`_check_lengths`); else ptxas serializes the wgmma.
+        # Not for thinner query blocks: with it, Triton 3.6's code for them raced on an H200 (dK
+        # wrong and different from run to run without a bias, docs/model.md); serialized, it is right.
+        tl.assume(SQ > start_m)
     for sm in range(start_m, SQ, BLOCK_M):
         offs_m = sm + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
