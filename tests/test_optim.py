@@ -325,7 +325,9 @@ def test_flat_layout_validates():
         FlatLayout([3, 1], [0], [3], ["x"])
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
