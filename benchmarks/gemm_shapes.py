@@ -9,6 +9,12 @@ layers are from the bf16 8192^3 matmul measured in the same run (`training.model
 
     python benchmarks/gemm_shapes.py                       # T5 base, batch 128, 512 -> 114
     python benchmarks/gemm_shapes.py --preset large --batch-size 64
+    python benchmarks/gemm_shapes.py --merge-cross-kv      # the decoder's cross k/v as one GEMM
+
+`--merge-cross-kv` times what the step's GEMMs would be if the cross-attention k/v projections of
+all decoder layers (they all read the encoder output) ran as one GEMM: rows x d_model x (layers x 2
+x inner) once, instead of rows x d_model x (2 x inner) once per layer. The model does not do that;
+this measures whether it would pay.
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ from training.model.flops import measure_matmul_tflops  # noqa: E402
 CE_CHUNK_ROWS = 2048  # training.model.cross_entropy's default chunk
 
 
-def linear_shapes(config: T5Config, batch: int, inputs: int, targets: int) -> list[tuple[str, int, int, int, int]]:
+def linear_shapes(
+    config: T5Config, batch: int, inputs: int, targets: int, merge_cross_kv: bool = False
+) -> list[tuple[str, int, int, int, int]]:
     """(name, rows, in_features, out_features, calls per step) of every linear layer's forward,
-    as the model runs them (q/k/v, cross-attention k/v and wi_0/wi_1 concatenated into one GEMM)."""
+    as the model runs them (q/k/v, cross-attention k/v and wi_0/wi_1 concatenated into one GEMM).
+    `merge_cross_kv`: the cross-attention k/v of all decoder layers as one GEMM (same FLOPs)."""
     d, inner, ff, vocab = config.d_model, config.num_heads * config.d_kv, config.d_ff, config.vocab_size
     enc, dec = batch * inputs, batch * targets
     n_enc, n_dec = config.num_layers, config.num_decoder_layers
@@ -41,7 +50,8 @@ def linear_shapes(config: T5Config, batch: int, inputs: int, targets: int) -> li
         ("encoder qkv", enc, d, 3 * inner, n_enc), ("encoder o", enc, inner, d, n_enc),
         ("encoder wi", enc, d, wi, n_enc), ("encoder wo", enc, ff, d, n_enc),
         ("decoder self qkv", dec, d, 3 * inner, n_dec), ("decoder self o, cross q, cross o", dec, d, d, 3 * n_dec),
-        ("decoder cross kv (encoder output)", enc, d, 2 * inner, n_dec),
+        ("decoder cross kv (encoder output)", enc, d, 2 * inner, n_dec) if not merge_cross_kv
+        else ("decoder cross kv, all layers in one GEMM", enc, d, 2 * inner * n_dec, 1),
         ("decoder wi", dec, d, wi, n_dec), ("decoder wo", dec, ff, d, n_dec),
         ("lm_head chunk", CE_CHUNK_ROWS, d, vocab, chunks),
     ]  # fmt: skip
@@ -63,7 +73,9 @@ def step_shape_parser(description: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = step_shape_parser(__doc__).parse_args(argv)
+    parser = step_shape_parser(__doc__)
+    parser.add_argument("--merge-cross-kv", action="store_true", help="the decoder's cross k/v as one GEMM")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm_shapes.py needs a CUDA GPU (it times cuBLAS)")
     device = torch.device("cuda")
@@ -73,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     print("| layer | pass | (M x K) @ (K x N) | ms | TFLOP/s | of ceiling | per step | ms/step |")
     print("|---|---|---|---|---|---|---|---|")
     total_ms = total_flop = 0.0
-    for name, rows, k_in, n_out, calls in linear_shapes(config, args.batch_size, args.input_length, args.target_length):
+    for name, rows, k_in, n_out, calls in linear_shapes(
+        config, args.batch_size, args.input_length, args.target_length, args.merge_cross_kv
+    ):
         x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
         w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
         dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)

@@ -360,18 +360,23 @@ def test_attention_tiles_register_cap_reaches_the_launch_and_goes_away(monkeypat
     assert seen == [(fn, 128), (ta._fwd_kernel, None), (fn, None)] and "run" not in fn.__dict__
 
 
-def test_gemm_shapes_count_the_model_flops():
+@pytest.mark.parametrize("merge_cross_kv", [False, True])
+def test_gemm_shapes_count_the_model_flops(merge_cross_kv):
     """benchmarks/gemm_shapes.py times every linear layer's GEMMs: three passes of its shapes must
-    add up to the model's FLOPs without attention (training.model.flops, the anchors' convention)."""
+    add up to the model's FLOPs without attention (training.model.flops, the anchors' convention),
+    also with the decoder's cross k/v merged into one GEMM (one shape fewer per layer, same FLOPs)."""
     from benchmarks.gemm_shapes import linear_shapes
     from training.model import T5Config
     from training.model.flops import model_flops_per_step
 
     config = T5Config.from_preset("base")
-    linear = sum(3 * 2 * rows * k * n * calls for _, rows, k, n, calls in linear_shapes(config, 128, 512, 114))
+    shapes = linear_shapes(config, 128, 512, 114, merge_cross_kv)
+    linear = sum(3 * 2 * rows * k * n * calls for _, rows, k, n, calls in shapes)
     heads, d_kv = config.num_heads, config.d_kv  # attention scores and values, forward x 3
     attention = 3 * 2 * 2 * 128 * heads * d_kv * (12 * 512 * 512 + 12 * 114 * 114 + 12 * 114 * 512)
     assert linear + attention == model_flops_per_step(config, 128, 512, 114)
+    cross = [(rows, k, n, calls) for name, rows, k, n, calls in shapes if "cross kv" in name]
+    assert cross == ([(128 * 512, 768, 12 * 2 * 768, 1)] if merge_cross_kv else [(128 * 512, 768, 2 * 768, 12)])
 
 
 def test_benchmark_comma_lists_are_checked_against_their_choices():
