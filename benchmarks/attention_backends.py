@@ -279,21 +279,25 @@ def timed_row(name: str, label: str, build, case: Case, ref, iters: int, kernels
     return outputs
 
 
-def run_rows(args: argparse.Namespace, shapes: list[str], labels: list[str], builder) -> None:
-    """One `timed_row` per (shape, label) in that order, the errors against the row labelled
-    "triton": `builder(case, label)` gives the row's build (None: no such row for this shape)."""
+def run_rows(args: argparse.Namespace, shapes: list[str], labels: list[str], builder,
+             without_bias: tuple[str, ...] = ("triton-nobias",)) -> None:
+    """One `timed_row` per (shape, label) in that order: `builder(case, label)` gives the row's build
+    (None: no such row for this shape). Each row's errors are against the reference row that ran the
+    same attention: the "triton" row for the rows that apply the case's bias, the "triton-nobias" row
+    for those in `without_bias`, which drop it. In a case without a bias (the cross-attention) every
+    row runs the same attention and "triton" is the reference of all. A row with no reference before
+    it (the references themselves) prints dashes."""
     for name in shapes:
         case = Case(name, args.batch_size, args.heads, args.d_kv)
-        ref = None
+        refs = {}  # with the case's bias (True) or without (False): the reference row's outputs
         for label in labels:
             build = builder(case, label)
             if build is None:
                 continue
-            # a row without the bias has other outputs than the reference's: no errors (dashes)
-            outputs = timed_row(name, label, build, case, None if label == "triton-nobias" else ref, args.iters,
-                                args.kernels)  # fmt: skip
-            if label == "triton":
-                ref = outputs
+            biased = bool(case.bias.numel()) and label not in without_bias
+            outputs = timed_row(name, label, build, case, refs.get(biased), args.iters, args.kernels)
+            if label in ("triton", "triton-nobias") and biased not in refs:
+                refs[biased] = outputs
             del build, outputs
             torch.cuda.empty_cache()
 

@@ -252,23 +252,33 @@ def test_attention_benchmarks_time_a_row_or_print_why_not(monkeypatch, capsys):
     assert capsys.readouterr().out == "| dec | sdpa-flash | RuntimeError: 'flash attention takes no bias' |\n"
 
 
-def test_attention_benchmark_rows_compare_with_the_triton_row_and_skip_what_a_shape_lacks(monkeypatch):
+def test_attention_benchmark_rows_compare_with_the_triton_row_of_the_same_bias_and_skip_what_a_shape_lacks(
+    monkeypatch,
+):
+    """Rows that drop the bias (`without_bias`) are compared with `triton-nobias`, the others with
+    `triton`; in the cross-attention, which has no bias, every row with `triton`."""
     import benchmarks.attention_backends as ab
 
-    monkeypatch.setattr(ab, "Case", lambda name, *sizes: name)
+    biases = {"enc": torch.ones(2, 3, 3), "cross": torch.empty(0)}
+    monkeypatch.setattr(ab, "Case", lambda name, *sizes: argparse.Namespace(name=name, bias=biases[name]))
     seen = []
     monkeypatch.setattr(ab, "timed_row", lambda name, label, build, case, ref, iters, kernels:
-                        seen.append((name, label, build(), ref)) or f"{label} outputs")  # fmt: skip
+                        seen.append((name, label, build(), ref)) or f"{name} {label} outputs")  # fmt: skip
     args = argparse.Namespace(batch_size=2, heads=2, d_kv=8, iters=1, kernels=False)
-    builder = lambda case, label: None if (case, label) == ("cross", "fa4-bias") else (lambda: f"{case} {label}")  # noqa: E731
-    ab.run_rows(args, ["enc", "cross"], ["triton", "fa4", "fa4-bias", "triton-nobias"], builder)
+    no_row = {("cross", "fa4-bias"), ("cross", "triton-nobias")}
+    builder = lambda case, label: None if (case.name, label) in no_row else (lambda: f"{case.name} {label}")  # noqa: E731
+    labels = ["triton", "fa4-bias", "triton-nobias", "fa4", "sdpa"]
+    ab.run_rows(args, ["enc", "cross"], labels, builder, without_bias=("triton-nobias", "fa4"))
     assert seen == [
-        ("enc", "triton", "enc triton", None), ("enc", "fa4", "enc fa4", "triton outputs"),
-        ("enc", "fa4-bias", "enc fa4-bias", "triton outputs"),
-        ("enc", "triton-nobias", "enc triton-nobias", None),  # other outputs than the bias row's: no errors
-        ("cross", "triton", "cross triton", None), ("cross", "fa4", "cross fa4", "triton outputs"),
-        ("cross", "triton-nobias", "cross triton-nobias", None),
+        ("enc", "triton", "enc triton", None), ("enc", "fa4-bias", "enc fa4-bias", "enc triton outputs"),
+        ("enc", "triton-nobias", "enc triton-nobias", None),  # the first row without the bias: no errors
+        ("enc", "fa4", "enc fa4", "enc triton-nobias outputs"), ("enc", "sdpa", "enc sdpa", "enc triton outputs"),
+        ("cross", "triton", "cross triton", None), ("cross", "fa4", "cross fa4", "cross triton outputs"),
+        ("cross", "sdpa", "cross sdpa", "cross triton outputs"),
     ]  # fmt: skip
+    seen.clear()  # the default: only `triton-nobias` drops the bias, so `fa4` is held against `triton`
+    ab.run_rows(args, ["enc"], ["triton", "triton-nobias", "fa4"], builder)
+    assert [ref for *_, ref in seen] == [None, None, "enc triton outputs"]
 
 
 def test_attention_benchmark_nobias_row_drops_only_the_bias(monkeypatch):
