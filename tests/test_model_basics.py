@@ -515,6 +515,34 @@ def test_fused_cross_entropy_gradient_is_softmax_minus_one_hot_bit_for_bit():
     assert torch.equal(grad_w, want_w)
 
 
+def test_fused_cross_entropy_forms_each_chunks_gradient_in_its_logits_buffer():
+    """Run eagerly (CPU, no compile), a chunk's logits, softmax and gradient share one fp32 buffer:
+    no other tensor of the chunk's (rows, vocab) size and a float dtype is made (the one-hot is a
+    bool comparison). The out-of-place version before it counted 5 here (freed buffers may be reused
+    at the same address, so this counts distinct addresses, a lower bound on the tensors made)."""
+    from training.model.cross_entropy import _loss_and_grads
+
+    class ChunkSized(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.storages = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.shape == (8, 1000) and t.dtype.is_floating_point:
+                    self.storages.add(t.untyped_storage().data_ptr())
+            return out
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(8, 16), torch.randn(1000, 16)
+    labels = torch.randint(0, 1000, (8,))
+    with ChunkSized() as mode:
+        loss, grad_h, _ = _loss_and_grads(hidden, weight, labels, chunk_rows=8)
+    assert len(mode.storages) == 1
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(hidden @ weight.t(), labels))
+
+
 def test_fused_cross_entropy_under_bf16_autocast_matches_the_bf16_head():
     """Under autocast the fused loss runs the head's matmuls in bf16 like nn.Linear would, and its
     gradients reach the fp32 hidden states and weight in fp32 (what the casts' backward gives)."""
