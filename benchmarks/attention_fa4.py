@@ -4,7 +4,7 @@ Whether Hopper-specific kernels (wgmma, TMA, warp specialisation) would take the
 most of the gap to 0.12 s/step, where our FlashAttention-2-style Triton kernels cannot.
 FlashAttention-4 (`pip install flash-attn-4`, which pulls nvidia-cutlass-dsl) ships such kernels for
 sm90, forward and backward, and takes a user `score_mod` / `score_mod_bwd` written in CuTe DSL.
-Results: docs/model.md, "FlashAttention-4's Hopper kernels". This script measures, for the
+Results: docs/model_speed.md, "FlashAttention-4's Hopper kernels". This script measures, for the
 three attentions of a T5 base step (`attention_backends.SHAPES`), as the model runs them (packed
 projection outputs in, gradients of the packed sources out):
 
@@ -20,7 +20,7 @@ projection outputs in, gradients of the packed sources out):
 - `fa4-bias-grad`: also the bias gradient: the `score_mod_bwd` stores each score gradient dS in a
   (batch, heads, q, k) bf16 buffer, which torch sums over the batch (what our kernels do with
   theirs). This is the row that does all the model needs (in the decoder its bias gradient came
-  out wrong; docs/model.md).
+  out wrong; docs/model_speed.md).
 
 Prints forward and backward GPU ms per call (profiler device time, as `attention_backends.py`), the
 first call's wall time (CuTe DSL compiles then), and errors against ours. GPU only (sm90):

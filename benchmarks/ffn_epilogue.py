@@ -3,7 +3,7 @@
 T5 v1.1's FFN runs h = x [W0; W1]^T (one cuBLAS GEMM), then gelu_tanh(gate) * lin (one Triton
 kernel, training/model/triton_gated_gelu.py) on the way forward, and dout = dy Wo (cuBLAS) then the
 GELU's backward (one kernel) on the way back. Both element-wise kernels run at the copy bandwidth
-(10.6 ms of a T5-base step, docs/model.md). Here each is folded into a Triton GEMM's epilogue:
+(10.6 ms of a T5-base step, docs/model_speed.md). Here each is folded into a Triton GEMM's epilogue:
 
 - forward: one kernel computes a tile of x W0^T and of x W1^T (two accumulators), stores both
   (the backward needs them) and gelu_tanh(gate) * lin, so h is never read back;

@@ -6,7 +6,7 @@ due to non wgmma instructions defining accumulator registers") when it cannot pr
 instruction writes an accumulator while a wgmma is in flight. A loop over key or query blocks whose
 trip count may be zero does that: the zero-trip path writes the accumulators with moves. Each
 kernel then states its loop runs at least once (`tl.assume`), and the encoder layer's attention ran
-8% faster on an H100 (docs/model.md, "wgmma serialized by ptxas").
+8% faster on an H100 (docs/model_speed.md, "wgmma serialized by ptxas").
 
 No GPU is needed: the launchers run on meta tensors with a `wrap` that records each launch instead
 of running it, and triton compiles each recorded launch for sm_90a with its bundled ptxas.

@@ -365,7 +365,7 @@ def test_loop_assumptions_change_no_bit(case, tmp_path, monkeypatch):
 
     On an H200 (Triton 3.6) the assumption in the dK/dV kernel's loop made the kernels with query
     blocks of 32 rows or fewer race without a bias: dK wrong (up to 0.16 relative) and different
-    from run to run (docs/model.md). That kernel now states it only for blocks of 64 rows or more."""
+    from run to run (docs/model_speed.md). That kernel now states it only for blocks of 64 rows or more."""
     b, sq, sk, with_bias, causal, one_block, tiles = case
     monkeypatch.setattr(ta, "ONE_BLOCK_BWD", one_block)
     if tiles is not None:

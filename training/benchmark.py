@@ -6,7 +6,7 @@ MFU is measured against a bf16 8192^3 matmul timed in the same run. s/step is th
 per-step CUDA-event times (each step synchronised); "wall s/step" times the same number of steps
 back to back on the host clock, as a training loop runs them (compare it with the engine).
 "1st step s" is the first step's time, compile included, with what AOTAutograd's cache did for
-the step's graphs (hit: a process before this one compiled the same code; docs/model.md, "The
+the step's graphs (hit: a process before this one compiled the same code; docs/model_speed.md, "The
 compile cache").
 
     python -m training.benchmark                                  # base, batch 128, 512 -> 114, all fast paths

@@ -71,14 +71,14 @@ class ModelConfig:
     (training.model; docs/model.md)."""
     residual_dtype: str = "float32"
     """Hidden states between blocks: float32 (HF numerics) | autocast (bf16 under bf16 precision, as
-    T5X's activations; ~5% faster steps and 3 GiB less at T5-base batch 128, docs/model.md)."""
+    T5X's activations; ~5% faster steps and 3 GiB less at T5-base batch 128, docs/model_speed.md)."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
     hooks that a whole compiled forward would skip)."""
     compile_mode: str = "default"
     """torch.compile mode of the forward (ZeRO 0-2): default | reduce-overhead (CUDA graphs) |
-    max-autotune-no-cudagraphs | max-autotune. T5 base on an H100 (docs/model.md): reduce-overhead
+    max-autotune-no-cudagraphs | max-autotune. T5 base on an H100 (docs/model_speed.md): reduce-overhead
     runs at the default's speed; the max-autotune modes spend over 9 minutes compiling for GEMMs
     that cuBLAS nearly always wins. Under ZeRO 3 only default is accepted (`zero3_compile` there)."""
     zero3_compile: str = "blocks"

@@ -13,7 +13,7 @@ When the optimizer can clip inside its own step (`AdamWScale.max_grad_norm`), `G
 clipping to it instead: the step then reads every gradient once for the norm (which also serves as
 its non-finite check) and scales the gradients inside its fused update, where clipping first reads
 and writes every gradient once more and the guard reads them again (T5 base on an H100: 0.7 ms a
-step less by CUDA events, 1.4 ms on the host clock; docs/model.md rows 44-45). The loop's calls are
+step less by CUDA events, 1.4 ms on the host clock; docs/model_speed.md rows 44-45). The loop's calls are
 the same either way: `clip()` before `engine.step()`, `clip.last_norm()` after it.
 """
 

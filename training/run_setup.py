@@ -102,7 +102,7 @@ def replicated_grad_l2(model: torch.nn.Module) -> float:
 # triton_add_norm.py), inductor's memory-aware reordering moved the weights' bf16 casts (about 130
 # small kernels) ahead of the forward's first GEMM; after each synchronisation the GPU then waited
 # ~6 ms for the host to launch them. Without it they stay next to their GEMMs, and peak memory was
-# the same (T5 base on an H100, docs/model.md).
+# the same (T5 base on an H100, docs/model_speed.md).
 MODEL_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
 
 
@@ -143,7 +143,7 @@ def log_first_step(metrics, step: int, seconds: float) -> None:
     hint = ""
     if "bypass" in outcomes:  # e.g. an autograd.Function in a changed model
         hint = (" The cache stepped aside for part of it, so every run compiles that part again "
-                "(docs/model.md, \"The compile cache\").")  # fmt: skip
+                "(docs/model_speed.md, \"The compile cache\").")  # fmt: skip
     elif "hit" not in outcomes:  # compiled from scratch
         hint = (" A later run of the same code, model and shapes on this machine loads it from "
                 "TORCHINDUCTOR_CACHE_DIR instead (docs/configuration.md, model.compile).")  # fmt: skip

@@ -10,11 +10,11 @@ T5's bias depends only on key - query: the model looks up one relative row per h
 (heads, q_len + k_len - 1) with B[h, i, j] = rel[h, j - i + q_len - 1] (1023 bucket lookups at
 512 x 512 instead of 262,144), and `dense_bias` expands it once per stack to the (heads, q_len,
 k_len) bias every backend here reads. (The fused kernel reading the relative row itself measured
-slower than reading the dense tile: docs/model.md.) The fused kernel can also take the relative
+slower than reading the dense tile: docs/model_speed.md.) The fused kernel can also take the relative
 row (`packed_attention`'s bias_rel, with `triton_attention.RELATIVE_BIAS` on): it expands it to the
 dense tiles it reads and returns its gradient per offset, summed along dS's diagonals in its dQ
 kernel, instead of a dense (heads, q_len, k_len) gradient per layer for autograd to sum and scatter.
-Off by default: slower (docs/model.md, eighteenth session).
+Off by default: slower (docs/model_speed.md, eighteenth session).
 
 Backends (`T5Config.attention_backend`):
 - "math": explicit fp32-softmax scores, the numerics of HF's eager T5 (used on CPU and for tests);
@@ -23,7 +23,7 @@ Backends (`T5Config.attention_backend`):
 - "triton": our fused flash-attention kernel with the shared bias and its gradient (CUDA only);
 - "cudnn": cuDNN's fused attention with the shared bias and its gradient (`cudnn_attention.py`;
   CUDA, bf16/fp16, no key padding mask: other cases run on "triton"). Opt-in: slower than "triton"
-  in the compiled T5 base step on an H100 (docs/model.md);
+  in the compiled T5 base step on an H100 (docs/model_speed.md);
 - "auto": "triton" on CUDA when triton imports, else "math".
 """
 

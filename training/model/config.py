@@ -68,7 +68,7 @@ class T5Config:
     # matches HF eager), "sdpa" (torch SDPA with an additive bias), "flex" (FlexAttention, CUDA only for
     # training), "triton" (our fused kernel with the shared relative bias and its gradient; CUDA only),
     # "cudnn" (cuDNN's fused attention with the bias and its gradient, through nvidia-cudnn-frontend;
-    # bf16/fp16 without padding masks, else triton; slower than triton on an H100, docs/model.md).
+    # bf16/fp16 without padding masks, else triton; slower than triton on an H100, docs/model_speed.md).
     attention_backend: str = "auto"
     # dtype of the residual stream (the hidden states between blocks): "float32" (HF's numerics, the
     # default) or "autocast" (under torch.autocast, the autocast dtype, e.g. bf16 as T5X's activation

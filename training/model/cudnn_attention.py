@@ -4,7 +4,7 @@ cuDNN's fused SDPA takes an additive bias of shape (1, H, SQ, SK) and its backwa
 bias gradient dBias already summed over the batch: T5's relative bias, shared by the batch, is
 exactly that case. The model reaches it through `attention_backend="cudnn"` (opt-in: "auto" is
 the Triton kernel). Measured on an H100 at T5 base's shapes (`benchmarks/attention_backends.py`,
-docs/model.md), cuDNN 9.19's kernels lose to ours in the compiled step (encoder self-attention
+docs/model_speed.md), cuDNN 9.19's kernels lose to ours in the compiled step (encoder self-attention
 2.55 against 2.10 ms forward + backward; 3-5 ms a step); eager, where our launchers' torch glue
 runs unfused, they win by a little. The sources are read in place, as the Triton backend reads
 them: self-attention q_src (B, S, 3 H D) = [q | k | v], cross-attention q_src (B, SQ, H D) and

@@ -30,7 +30,7 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 FWD_ROWS = 4  # rows per forward program (one 2-D tile of FWD_ROWS x d_model)
 # The backward's programs are persistent: each walks BWD_ROWS rows at a time through a share of the
 # rows, so its weight-gradient partial sums are one row of (programs, d_model).
-# Swept on an H100 over 64 settings (benchmarks/add_norm_sweep.py, docs/model.md): the best with
+# Swept on an H100 over 64 settings (benchmarks/add_norm_sweep.py, docs/model_speed.md): the best with
 # T5-base's fp32 residual stream. With a bf16 one (model.residual_dtype=autocast) the same setting
 # with 2 pipeline stages was the best (eighteenth session: 0.1445 against 0.1581 ms at 1 stage).
 BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, BWD_STAGES = 8, 2, 4, 1

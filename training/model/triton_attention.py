@@ -100,7 +100,7 @@ def _tiles(kernel: str, block_m: int, block_n: int, warps: int, stages: int) -> 
 
 
 # Tiles per kernel and class (benchmarked on an H100 at d_kv 64 with benchmarks/attention_tiles.py,
-# each kernel swept alone at each class's shape; docs/model.md). The forward: BLOCK_M queries per
+# each kernel swept alone at each class's shape; docs/model_speed.md). The forward: BLOCK_M queries per
 # program, BLOCK_N keys per step. dK/dV kernel: BLOCK_N keys per program (its accumulators),
 # BLOCK_M queries per step; 64 x 64 with 3 stages is the encoder's best with the dS store; short
 # queries give each program only 2 query blocks of 64 to walk, and there the decoder runs best in
@@ -165,7 +165,7 @@ if _HAS_TRITON:
 # once ptxas stopped serializing the kernels' wgmma (`_check_lengths`), reading every tile through
 # the pipelined loads is the faster forward (0.351 against 0.421 ms per encoder layer), and the
 # branch slows dK/dV (0.748 -> 0.976 ms). It was on in the forward from the eighth session
-# (0.65 -> 0.47 ms then, with serialized wgmma and the fp32 bias; docs/model.md).
+# (0.65 -> 0.47 ms then, with serialized wgmma and the fp32 bias; docs/model_speed.md).
 FAR_TILE_KERNELS = ("fwd", "dq", "dkdv")
 FAR_TILES: tuple[str, ...] = ()
 
@@ -187,7 +187,7 @@ _LOG2E = 1.4426950408889634
 
 # The dense bias the kernels read, for bf16/fp16 inputs: fp16 (True) or fp32 (False; fp32 inputs
 # always read it in fp32). Every (batch, head) program reads the same (H, SQ, SK) bias tiles from L2;
-# fp16 halves those bytes. Measured on the H100 (docs/model.md, "The bias in fp16"): the encoder
+# fp16 halves those bytes. Measured on the H100 (docs/model_speed.md, "The bias in fp16"): the encoder
 # layer 2.106 -> 2.065 ms, the step 1.1-1.4 ms faster. fp16 keeps 11 significant bits (the bias is
 # clamped to its range, +-65504, which T5's learned values are far inside): finer than the bf16
 # scores HF's T5 adds its bias to under autocast. Benchmark variants `biashalf`, `biasfp32`.
@@ -270,7 +270,7 @@ DBIAS_PATH = "ds"
 # the bias table's scatter-add. Under deterministic algorithms inductor no longer autotunes that
 # reduction, and its fixed choice took 8.4 ms a step instead of 3.2; the kernel takes 3.6 ms in
 # either mode, the same step time by default and 6 ms less per step under deterministic algorithms
-# (T5 base, H100, docs/model.md). Benchmark variants `dssumkernel`, `dssumtorch`.
+# (T5 base, H100, docs/model_speed.md). Benchmark variants `dssumkernel`, `dssumtorch`.
 DS_SUMS = ("kernel", "torch")
 DS_SUM = "kernel"
 # dQ: "recompute" = the dQ kernel recomputes P and dP = dO V^T per tile (FlashAttention-2's two
@@ -279,7 +279,7 @@ DS_SUM = "kernel"
 # the length of the backward, which the bias gradient, when there is one, sums as under "ds");
 # "stored_bias" = "stored" where the bias gradient is summed from dS anyway (a bias, DBIAS_PATH
 # "ds"), "recompute" elsewhere (T5's cross-attention; the other bias-gradient paths). Benchmark
-# variants `dqrecompute`, `dqstored`, `dqstoredbias`. Measured (docs/model.md, tenth session): with
+# variants `dqrecompute`, `dqstored`, `dqstoredbias`. Measured (docs/model_speed.md, tenth session): with
 # T5's bias the encoder layer's backward 2.88 -> 2.61 ms, the step 0.1570 -> 0.1514 s; without a
 # bias 2.05 -> 2.25 ms (the dS round trip costs more than the recomputation saves), hence
 # "stored_bias".
@@ -295,7 +295,7 @@ DQ_PATH = "stored_bias"
 # kernel the relative bias when the caller has it (benchmark variant `relbias`), or the dense one
 # (`densebias`): the dense gradient per layer, which autograd sums over the layers and scatters onto
 # the bias table. Off: the sums cost more in the dQ kernel than the second read of dS they save (an
-# encoder layer's backward 1.75 ms against 1.63, eighteenth session, docs/model.md).
+# encoder layer's backward 1.75 ms against 1.63, eighteenth session, docs/model_speed.md).
 RELATIVE_BIAS = False
 # Attention whose queries fit one tile (at most ONE_BLOCK_TILES[class].block_m rows: T5's 114
 # targets, in the decoder's self-attention and the cross-attention) runs its backward as one kernel

@@ -5,8 +5,8 @@ per-score work is kept small. Imported only where the triton package is installe
 Each loop over key or query blocks follows a `tl.assume` that it runs at least once, which the
 launchers' `_check_lengths` makes true. Where the loop might run zero times, ptxas serializes every
 wgmma of the kernel (its warning C7515; tests/test_kernels_sm90.py): the encoder layer's attention
-ran 8% slower so (docs/model.md, "wgmma serialized by ptxas"). The exception: the dK/dV kernel with
-query blocks thinner than 64 rows, where the assumption made Triton 3.6's code race (docs/model.md,
+ran 8% slower so (docs/model_speed.md, "wgmma serialized by ptxas"). The exception: the dK/dV kernel with
+query blocks thinner than 64 rows, where the assumption made Triton 3.6's code race (docs/model_speed.md,
 "A race in the dK/dV kernel with thin query blocks"; tests/test_model_gpu.py checks every
 assumption against the kernels without them).
 """
@@ -37,14 +37,14 @@ def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.conste
     """(BM, BN) fp32 tile of the (H, SQ, SK) bias (fp32 or fp16 in memory), already in base-2 units
     (the host multiplies it by log2(e)), for queries m0.. and keys n0... The bias is shared by the
     batch: the tile comes from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
-    slower: see docs/model.md.) FAR_TILES: the caller promises that the bias is one value per head
+    slower: see docs/model_speed.md.) FAR_TILES: the caller promises that the bias is one value per head
     wherever key - query >= FAR, and one wherever query - key >= FAR (T5's last buckets); a tile
     wholly inside either region reads one element and loads nothing else. EVEN: the tile lies wholly
     inside the bias (SQ and SK are whole tiles), so the load takes no bounds mask."""
     if HAS_BIAS:
         inside = _inside(offs_m, offs_n, SQ, SK)
         ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
-        if FAR_TILES:  # a branch, not a masked load; the corner read outside it (docs/model.md)
+        if FAR_TILES:  # a branch, not a masked load; the corner read outside it (docs/model_speed.md)
             near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
             corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0).to(tl.float32)  # inside every tile
             if near:
@@ -61,7 +61,7 @@ def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.conste
 @triton.jit
 def _load_tile(ptrs, inside, EVEN: tl.constexpr):
     """A tile through per-element pointers: masked by `inside` (zeros outside) unless EVEN says every
-    pointer is inside. The mask costs per element even where it is all true (docs/model.md)."""
+    pointer is inside. The mask costs per element even where it is all true (docs/model_speed.md)."""
     if EVEN:
         return tl.load(ptrs)
     else:
@@ -232,7 +232,7 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
         start_m = tl.maximum(pid_n * BLOCK_N - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M
     if BLOCK_M >= 64:  # a query block at least (`_check_lengths`); else ptxas serializes the wgmma.
         # Not for thinner query blocks: with it, Triton 3.6's code for them raced on an H200 (dK
-        # wrong and different from run to run without a bias, docs/model.md); serialized, it is right.
+        # wrong and different from run to run without a bias, docs/model_speed.md); serialized, it is right.
         tl.assume(SQ > start_m)
     for sm in range(start_m, SQ, BLOCK_M):
         offs_m = sm + tl.arange(0, BLOCK_M)
