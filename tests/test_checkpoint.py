@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from training import checkpoint as checkpoint_module
 from training.checkpoint import CheckpointManager, step_dirname
-from training.config import load_run_config
+from training.config_loader import load_run_config
 from training.distributed import shutdown_distributed
 from training.ds_config import resolve_ds_config
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,16 +13,8 @@ import yaml
 
 from data_prep.shard_format import t5_span_lengths
 from training import config as config_module
-from training.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    dump_yaml,
-    eval_batch_size_per_rank,
-    from_dict,
-    load_run_config,
-    micro_batch_size,
-)
+from training.config import ConfigError, RunConfig, eval_batch_size_per_rank, micro_batch_size
+from training.config_loader import apply_overrides, dump_yaml, from_dict, load_run_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "training" / "configs").glob("*.yaml"))
 
@@ -274,6 +268,29 @@ def test_micro_batch_size():
     assert eval_batch_size_per_rank(cfg, 4) == 32
     with pytest.raises(ConfigError, match="eval.batch_size"):
         eval_batch_size_per_rank(cfg, 3)
+
+
+def test_command_line_prints_the_resolved_config_or_says_what_is_wrong(tmp_path):
+    """`python -m training.config CONFIG.yaml key=value ...` (the config module's entry point, which
+    runs training/config_loader.py's `main`) prints YAML that loads back to the same config; a bad
+    file or key exits 2 with the loader's message and no traceback."""
+    repo = Path(__file__).resolve().parents[1]
+    demo = repo / "training/configs/tiny_demo.yaml"
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "training.config", *map(str, args)], cwd=repo,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    done = run(demo, "optim.base_lr=1e-2", "seed=5")
+    assert done.returncode == 0, done.stderr
+    printed = from_dict(yaml.safe_load(done.stdout))
+    assert printed == load_run_config(str(demo), ["optim.base_lr=1e-2", "seed=5"])
+    assert printed.optim.base_lr == 1e-2 and printed.seed == 5
+    missing = run(tmp_path / "nosuch.yaml")
+    assert missing.returncode == 2 and "nosuch.yaml does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    typo = run(demo, "optim.lr=1e-3")
+    assert typo.returncode == 2 and "unknown key optim.lr" in typo.stderr and "base_lr" in typo.stderr
 
 
 def test_every_field_is_documented():

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_config import config_class
-from training.config import ConfigError, load_run_config, micro_batch_size
+from training.config import ConfigError, micro_batch_size
+from training.config_loader import load_run_config
 from training.ds_config import (
     DSConfigError,
     find_ds_config,

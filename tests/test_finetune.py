@@ -74,7 +74,8 @@ def test_finetune_from_our_pretraining_run_and_from_hf(random_init_run, tmp_path
 
 
 def test_finetune_refuses_zero3_and_bad_init(tmp_path):
-    from training.config import ConfigError, load_run_config
+    from training.config import ConfigError
+    from training.config_loader import load_run_config
     from training.finetune_config import FinetuneConfig
 
     with pytest.raises(ConfigError, match="zero0.json, zero1.json or zero2.json"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.config import load_run_config
+from training.config_loader import load_run_config
 from training.run_setup import compile_forward, start_engine
 
 

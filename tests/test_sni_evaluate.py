@@ -133,7 +133,8 @@ def test_beam_search_evaluation(tmp_path, tokenizer):
 
 
 def test_finetune_eval_config_checks_num_beams():
-    from training.config import ConfigError, load_run_config
+    from training.config import ConfigError
+    from training.config_loader import load_run_config
     from training.finetune_config import FinetuneConfig
 
     tiny = Path(__file__).resolve().parents[1] / "training" / "configs" / "sni_tiny.yaml"

@@ -1,7 +1,7 @@
 """Run config of SNI fine-tuning (`training/finetune.py`): the pre-training sections where they mean
 the same thing (model, optim, checkpoint, logging), plus the SNI data and evaluation sections.
 
-Loaded with the same YAML + `key=value` machinery as pre-training:
+Loaded with the same YAML + `key=value` machinery as pre-training (training/config_loader.py):
 `load_run_config(path, overrides, root=FinetuneConfig)`. Defaults are nanoT5's fine-tuning
 (AdamW, lr 5e-5, batch 8, 2 epochs, constant schedule, no clipping, Tk-Instruct encoding).
 """

@@ -224,7 +224,7 @@ def open_run_outputs(cfg, ds_config: dict, model_config, out_dir: Path, *, rank:
     and return the run's MetricsLogger."""
     import json
 
-    from training.config import dump_yaml
+    from training.config_loader import dump_yaml
     from training.export import write_model_config
     from training.metrics import MetricsLogger
 
@@ -277,7 +277,7 @@ def launch(entry, argv: list[str] | None, *, doc: str, default_config: str, root
 
     import torch.distributed as dist
 
-    from training.config import load_run_config
+    from training.config_loader import load_run_config
     from training.distributed import init_distributed, shutdown_distributed
     from training.metrics import setup_logging
 
