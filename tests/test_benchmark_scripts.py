@@ -112,13 +112,13 @@ def test_model_benchmark_variant_items_parse():
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
                       "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias,nooneblock,regional,"
-                      "biasfp32",
+                      "biasfp32,nopdl",
                       args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True,
                      tiles_per_class=False, triton_add_norm=False, relative_bias=True, one_block=False,
-                     regional=True, bias_half=False)  # fmt: skip
+                     regional=True, bias_half=False, pdl=False)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert default["triton_add_norm"] and default["relative_bias"] == ta.RELATIVE_BIAS
@@ -127,6 +127,7 @@ def test_model_benchmark_variant_items_parse():
     assert default["one_block"] == ta.ONE_BLOCK_BWD and parse_variant("nooneblock,oneblock", args)["one_block"]
     assert not default["regional"] and not parse_variant("regional,wholemodel", args)["regional"]
     assert default["bias_half"] == ta.BIAS_HALF and parse_variant("biasfp32,biashalf", args)["bias_half"]
+    assert default["pdl"] and parse_variant("nopdl,pdl", args)["pdl"]
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
     assert default["tiles_per_class"] and parse_variant("enctiles,classtiles", args)["tiles_per_class"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
@@ -139,7 +140,7 @@ def test_model_benchmark_variant_items_parse():
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "torchnorm", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic", "enctiles", "densebias" if ta.RELATIVE_BIAS else "relbias",
-               "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel", "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock", "regional",
+               "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel", "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock", "regional", "nopdl",
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"

@@ -35,11 +35,13 @@ def test_a_users_cublas_setting_is_kept_or_refused_with_the_fix(monkeypatch):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
-def _train_tiny_on_gpu(steps: int = 6) -> list[torch.Tensor]:
+def _train_tiny_on_gpu(steps: int = 6, pdl: bool = True) -> list[torch.Tensor]:
     """Parameters after `steps` compiled bf16 training steps of a tiny T5 (fused attention and GELU
-    kernels, fused cross-entropy, compiled AdamWScale) from seed 0."""
+    kernels, fused cross-entropy, compiled AdamWScale) from seed 0, compiled with the options training
+    uses (`compile_options`: PDL unless `pdl` is False)."""
     from training.model import T5Config, T5ForConditionalGeneration
     from training.optim import build_optimizer
+    from training.run_setup import compile_options
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -47,7 +49,8 @@ def _train_tiny_on_gpu(steps: int = 6) -> list[torch.Tensor]:
     optimizer = build_optimizer("adamwscale", model, lr=1e-2, weight_decay=0.0, compiled=True)
     ids = torch.randint(2, 32128, (16, 128), device="cuda")
     labels = torch.randint(2, 32128, (16, 32), device="cuda")
-    loss_fn = torch.compile(lambda: model(ids, labels=labels, return_logits=False).loss, fullgraph=True)
+    loss_fn = torch.compile(lambda: model(ids, labels=labels, return_logits=False).loss, fullgraph=True,
+                            options=compile_options(pdl=pdl))  # fmt: skip
     for _ in range(steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn()
@@ -67,3 +70,19 @@ def test_deterministic_training_runs_are_bit_identical_on_the_gpu():
         set_deterministic(False)
         torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_changes_no_bit_of_deterministic_training():
+    """Programmatic dependent launch (`compile_options`, on by default; inductor emits it on Hopper
+    or newer) only moves when inductor's kernels start: with deterministic algorithms the parameters
+    after training with and without it are bit-identical. A kernel that read its predecessor's output
+    before waiting for it would break that."""
+    set_deterministic(True)
+    try:
+        with_pdl, without = _train_tiny_on_gpu(pdl=True), _train_tiny_on_gpu(pdl=False)
+    finally:
+        set_deterministic(False)
+        torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(with_pdl, without, strict=True))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from training.config_loader import load_run_config
-from training.run_setup import compile_forward, start_engine
+from training.run_setup import INDUCTOR_PDL_OPTION, compile_forward, compile_options, start_engine
 
 
 @pytest.mark.parametrize("mode, expected", [("default", {}), ("reduce-overhead", {"triton.cudagraphs": True}),
@@ -33,6 +33,21 @@ def test_compile_forward_passes_the_mode_and_the_model_inductor_options(monkeypa
     assert MODEL_INDUCTOR_OPTIONS["reorder_for_peak_memory"] is False
     known = inductor_config.get_config_copy()
     assert all(key in known for key in options), sorted(set(options) - set(known))
+    # PDL on where this torch has the setting (inductor emits it on Hopper or newer only)
+    assert options.get(INDUCTOR_PDL_OPTION, True) is True
+    assert (INDUCTOR_PDL_OPTION in options) == (INDUCTOR_PDL_OPTION in known)
+
+
+def test_compile_options_leave_pdl_out_where_torch_lacks_it_and_off_when_asked(monkeypatch):
+    """`compile_options(pdl=False)` turns inductor's PDL off (the benchmark's `nopdl`); a torch whose
+    inductor has no such setting gets no key at all, since torch.compile refuses unknown options."""
+    import training.run_setup as run_setup
+
+    monkeypatch.setattr(run_setup, "_inductor_has", lambda option: True)
+    assert compile_options()[INDUCTOR_PDL_OPTION] is True
+    assert compile_options("default", pdl=False)[INDUCTOR_PDL_OPTION] is False
+    monkeypatch.setattr(run_setup, "_inductor_has", lambda option: option != INDUCTOR_PDL_OPTION)
+    assert INDUCTOR_PDL_OPTION not in compile_options() and INDUCTOR_PDL_OPTION not in compile_options(pdl=False)
 
 
 def test_compiled_training_forward_comes_back_from_the_autograd_cache(compile_caches_on):

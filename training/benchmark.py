@@ -39,11 +39,13 @@ layer; triton_attention.RELATIVE_BIAS), oneblock|nooneblock (the backward of att
 128 queries, the decoder's and the cross-attention's, as one kernel per batch element and head, or
 as the dK/dV and dQ kernels of longer queries; triton_attention.ONE_BLOCK_BWD), regional|wholemodel
 (torch.compile each T5 block, the final norms and the loss on their own, as ZeRO 3's blocks mode does,
-or the whole step as one graph as training does at ZeRO 0-2). Each
-variant prints one table row, ending with the loss of the last step and the sum of every parameter
-after it (two runs of the same variant are bit-identical when both are); --json appends one JSON
-object per variant to a file. The attention tiles
-come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py) for sweeps.
+or the whole step as one graph as training does at ZeRO 0-2), pdl|nopdl (inductor's kernels
+launched with programmatic dependent launch on Hopper or newer, as training compiles the model, or
+without; training.run_setup.compile_options). Each variant prints one table row, ending with the
+loss of the last step and the sum of every parameter after it (two runs of the same variant are
+bit-identical when both are `deterministic`); --json appends one JSON object per variant to a file.
+The attention tiles come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py)
+for sweeps.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
         deterministic=False, tiles_per_class=True, triton_add_norm=True, relative_bias=RELATIVE_BIAS,
-        one_block=ONE_BLOCK_BWD, regional=False, bias_half=BIAS_HALF,
+        one_block=ONE_BLOCK_BWD, regional=False, bias_half=BIAS_HALF, pdl=True,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -137,6 +139,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["bias_half"] = item == "biashalf"
         elif item in ("regional", "wholemodel"):
             variant["regional"] = item == "regional"
+        elif item in ("pdl", "nopdl"):
+            variant["pdl"] = item == "pdl"
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -172,6 +176,7 @@ def variant_label(v: dict) -> str:
     notes += ["fp16 bias"] if v["bias_half"] else []
     notes += [] if v["one_block"] else ["no one-block backward"]
     notes += ["regional compile"] if v["regional"] else []
+    notes += [] if v["pdl"] else ["no PDL"]
     return ", ".join([v["attention"], *notes])
 
 
@@ -222,9 +227,9 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         return model(ids, labels=lab, return_logits=return_logits).loss
 
     if variant["compile"] and variant["regional"]:
-        _compile_regions(model, compile_options(variant["mode"] or "default"))
+        _compile_regions(model, compile_options(variant["mode"] or "default", pdl=variant["pdl"]))
     elif variant["compile"]:
-        options = compile_options(variant["mode"] or "default")  # as training compiles the model
+        options = compile_options(variant["mode"] or "default", pdl=variant["pdl"])  # as training compiles the model
         loss_fn = torch.compile(loss_fn, fullgraph=args.fullgraph, options=options)
 
     # Clipping as the training loop does it at ZeRO 0: inside AdamWScale's step, or (clipbefore, or
