@@ -110,8 +110,8 @@ MODEL_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
 # them is launched while the kernel ahead of it is still running, and waits on the GPU (griddepcontrol)
 # before it touches what that kernel wrote. That hides part of the ~1.5 us the GPU idles at each of a
 # step's ~1870 kernel boundaries. Inductor emits it only for CUDA devices of compute capability 9 or
-# more; elsewhere the setting changes nothing. T5 base on an H100: ~1 ms a step less (0.5-0.8 ms by the
-# host clock), the same bits (docs/model_speed.md, rows 121-124).
+# more; elsewhere the setting changes nothing. T5 base on three H100s: 0.5-0.8 ms a step less by the host
+# clock, the same bits (docs/model_speed.md, rows 121-130).
 INDUCTOR_PDL_OPTION = "triton.enable_pdl"
 
 
