@@ -10,7 +10,7 @@ partitions ("size mismatch, got input (65536x768), vec (0)", DeepSpeed 0.19.8, t
 - "blocks" (default): every `T5Block` becomes a ZeRO 3 *leaf module* (DeepSpeed gathers all of a
   block's parameters in one coalesced all-gather when the block is called, and registers no hooks
   inside it), and each block's forward is compiled as one graph (fullgraph), with the inductor
-  settings of the whole-model compile (`training.run_setup.compile_options`). The hooks run around the
+  settings of the whole-model compile (`training.run_setup.compile_options`) except PDL. The hooks run around the
   compiled call, so the graph always sees whole parameters. Everything outside the blocks
   (embeddings, the final RMS norms, the head and its loss) stays eager; the final norms are compiled on
   their own. Incremental decoding (a key/value cache) runs the eager forward.
@@ -81,9 +81,11 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
 
 def _compiled_block_forward(block: torch.nn.Module, backend: str):
     eager = block.forward
-    # Inductor gets the settings the whole-model compile runs with (training.run_setup); other
-    # backends (tests use "aot_eager") take no inductor options.
-    options = compile_options() if backend == "inductor" else None
+    # Inductor gets the settings the whole-model compile runs with (training.run_setup), less PDL:
+    # between the blocks run DeepSpeed's gathers on their own streams, and PDL was measured only on
+    # the ZeRO 0-2 whole-model graph (docs/model_speed.md, rows 121-130). Other backends (tests use
+    # "aot_eager") take no inductor options.
+    options = compile_options(pdl=False) if backend == "inductor" else None
     compiled = torch.compile(eager, fullgraph=True, backend=backend, options=options)
 
     def forward(
