@@ -226,10 +226,11 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     def loss_fn(ids, lab):
         return model(ids, labels=lab, return_logits=return_logits).loss
 
+    # as training compiles the model
+    options = compile_options(variant["mode"] or "default", pdl=variant["pdl"]) if variant["compile"] else None
     if variant["compile"] and variant["regional"]:
-        _compile_regions(model, compile_options(variant["mode"] or "default", pdl=variant["pdl"]))
+        _compile_regions(model, options)
     elif variant["compile"]:
-        options = compile_options(variant["mode"] or "default", pdl=variant["pdl"])  # as training compiles the model
         loss_fn = torch.compile(loss_fn, fullgraph=args.fullgraph, options=options)
 
     # Clipping as the training loop does it at ZeRO 0: inside AdamWScale's step, or (clipbefore, or
@@ -309,7 +310,8 @@ def _compile_regions(model: torch.nn.Module, options: dict) -> None:
     `model.zero3_compile=blocks` does (the blocks of a stack share their graphs), the final norms and
     the fused cross-entropy too; the embeddings and the bias lookup stay eager. Fewer, smaller graphs
     to compile than the whole model's, and no fusion across their borders. The blocks take the default
-    mode's options (as under ZeRO 3), the loss `options`."""
+    mode's options without PDL (as under ZeRO 3), the loss `options` (so `pdl|nopdl` reaches only the
+    loss here)."""
     import training.model.t5 as t5
     from training.zero3_compile import _compiled_block_forward
 

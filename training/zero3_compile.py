@@ -10,8 +10,8 @@ partitions ("size mismatch, got input (65536x768), vec (0)", DeepSpeed 0.19.8, t
 - "blocks" (default): every `T5Block` becomes a ZeRO 3 *leaf module* (DeepSpeed gathers all of a
   block's parameters in one coalesced all-gather when the block is called, and registers no hooks
   inside it), and each block's forward is compiled as one graph (fullgraph), with the inductor
-  settings of the whole-model compile (`training.run_setup.compile_options`) except PDL. The hooks run around the
-  compiled call, so the graph always sees whole parameters. Everything outside the blocks
+  settings of the whole-model compile (`training.run_setup.compile_options`) except PDL. The hooks
+  run around the compiled call, so the graph always sees whole parameters. Everything outside the blocks
   (embeddings, the final RMS norms, the head and its loss) stays eager; the final norms are compiled on
   their own. Incremental decoding (a key/value cache) runs the eager forward.
 - "pointwise": only the parameter-free element-wise parts (RMS norm, gated GELU) are compiled, each
