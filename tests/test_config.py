@@ -317,11 +317,12 @@ def test_every_field_is_documented():
 
 
 def test_choices_match_the_model_package():
-    from training.model.config import ATTENTION_BACKENDS, RESIDUAL_DTYPES, T5Config
+    from training.model.config import ATTENTION_BACKENDS, FFN_KERNELS, RESIDUAL_DTYPES, T5Config
     from training.zero3_compile import ZERO3_COMPILE_MODES
 
     assert config_module.ATTENTION_BACKENDS == ATTENTION_BACKENDS
     assert config_module.RESIDUAL_DTYPES == RESIDUAL_DTYPES
+    assert config_module.FFN_KERNELS == FFN_KERNELS
     assert config_module.ZERO3_COMPILE_MODES == ZERO3_COMPILE_MODES
     for preset in config_module.MODEL_PRESETS:
         T5Config.from_preset(preset)  # every preset the run config accepts exists

@@ -41,7 +41,9 @@ as the dK/dV and dQ kernels of longer queries; triton_attention.ONE_BLOCK_BWD), 
 (torch.compile each T5 block, the final norms and the loss on their own, as ZeRO 3's blocks mode does,
 or the whole step as one graph as training does at ZeRO 0-2), pdl|nopdl (inductor's kernels
 launched with programmatic dependent launch on Hopper or newer, as training compiles the model, or
-without; training.run_setup.compile_options). Each variant prints one table row, ending with the
+without; training.run_setup.compile_options), quackffn|cublasffn (the gated FFN with the GELU in the
+epilogues of QuACK's GEMMs, T5Config.ffn_kernel "quack", needs quack-kernels and sm90+; or cuBLAS
+GEMMs and our GELU kernels). Each variant prints one table row, ending with the
 loss of the last step and the sum of every parameter after it (two runs of the same variant are
 bit-identical when both are `deterministic`); --json appends one JSON object per variant to a file.
 The attention tiles come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py)
@@ -94,7 +96,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         mode=args.compile_mode, dbias="ds", ds_sum=DS_SUM, dq=DQ_PATH, opt_compiled=args.optimizer_compiled,
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
         deterministic=False, tiles_per_class=True, triton_add_norm=True, relative_bias=RELATIVE_BIAS,
-        one_block=ONE_BLOCK_BWD, regional=False, bias_half=BIAS_HALF, pdl=True,
+        one_block=ONE_BLOCK_BWD, regional=False, bias_half=BIAS_HALF, pdl=True, quack_ffn=False,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -139,6 +141,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["bias_half"] = item == "biashalf"
         elif item in ("regional", "wholemodel"):
             variant["regional"] = item == "regional"
+        elif item in ("quackffn", "cublasffn"):
+            variant["quack_ffn"] = item == "quackffn"
         elif item in ("pdl", "nopdl"):
             variant["pdl"] = item == "pdl"
         else:
@@ -177,6 +181,7 @@ def variant_label(v: dict) -> str:
     notes += [] if v["one_block"] else ["no one-block backward"]
     notes += ["regional compile"] if v["regional"] else []
     notes += [] if v["pdl"] else ["no PDL"]
+    notes += ["QuACK FFN"] if v["quack_ffn"] else []
     return ", ".join([v["attention"], *notes])
 
 
@@ -211,8 +216,13 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
 
 
 def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    if variant["quack_ffn"]:
+        from training.model import quack_ffn
+
+        quack_ffn.load()  # raises where QuACK cannot run, rather than time the default FFN under its name
     config = T5Config.from_preset(
-        args.preset, attention_backend=variant["attention"], residual_dtype=variant["residual_dtype"]
+        args.preset, attention_backend=variant["attention"], residual_dtype=variant["residual_dtype"],
+        ffn_kernel="quack" if variant["quack_ffn"] else "default",
     )
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config).to(device)

@@ -34,7 +34,8 @@ def build_model(model_section, device: torch.device, init: str | None = None):
     `init` picks the starting weights: None or "random" gives a fresh `model_section.preset`; a
     directory holding model_config.json is one of our runs (its newest complete checkpoint); any
     other path is a Hugging Face T5 directory or a nanoT5 state dict (shaped as the preset).
-    Dropout, the attention backend and the residual dtype always come from `model_section`.
+    Dropout, the attention backend, the residual dtype and the FFN kernel always come from
+    `model_section`.
     """
     from dataclasses import replace
 
@@ -44,7 +45,12 @@ def build_model(model_section, device: torch.device, init: str | None = None):
         "dropout_rate": model_section.dropout_rate,
         "attention_backend": model_section.attention_backend,
         "residual_dtype": model_section.residual_dtype,
+        "ffn_kernel": model_section.ffn_kernel,
     }
+    if model_section.ffn_kernel == "quack":
+        from training.model import quack_ffn
+
+        quack_ffn.load()  # here, so that a run asking for it on a machine that lacks it stops at once
     if init in (None, "", "random"):
         # Built and initialised on the training device: an 11B model's random init on the host
         # takes minutes per rank and its fp32 copy 45 GB of host memory per rank.

@@ -14,6 +14,7 @@ from typing import Any
 ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton", "cudnn")
 FEED_FORWARD_PROJ = ("gated-gelu", "relu")
 RESIDUAL_DTYPES = ("float32", "autocast")
+FFN_KERNELS = ("default", "quack")
 
 # T5 v1.1 dimensions (google/t5-v1_1-*): d_model, d_ff, layers (encoder = decoder), heads; d_kv = 64.
 _V11_SIZES = {
@@ -75,6 +76,12 @@ class T5Config:
     # dtype; the RMS norm still computes in fp32). Outside autocast both are float32. A training
     # speed knob: half the element-wise traffic of the residual adds and norms.
     residual_dtype: str = "float32"
+    # Kernels of the gated FFN's training steps: "default" (cuBLAS GEMMs and our Triton gated-GELU
+    # kernels) or "quack" (the GELU and its gradient in the epilogues of QuACK's GEMMs: quack-kernels
+    # on a Hopper or newer GPU; 5-6 ms a step and 3.9 GiB less for T5 base at batch 128 on an H100,
+    # docs/model_speed.md). The same function, rounded differently (the GELU on the GEMM's fp32
+    # accumulator); where QuACK cannot run (CPU, dropout, no gradients) the FFN takes the default path.
+    ffn_kernel: str = "default"
 
     def __post_init__(self) -> None:
         if self.num_decoder_layers is None:
@@ -121,6 +128,11 @@ class T5Config:
                 f"T5Config.residual_dtype must be one of {RESIDUAL_DTYPES} ('float32': HF numerics; "
                 f"'autocast': bf16 hidden states under bf16 autocast), got {self.residual_dtype!r}"
             )
+        if self.ffn_kernel not in FFN_KERNELS:
+            raise ValueError(
+                f"T5Config.ffn_kernel must be one of {FFN_KERNELS} ('quack' needs quack-kernels and a "
+                f"Hopper or newer GPU), got {self.ffn_kernel!r}"
+            )
         if self.initializer_factor <= 0:
             raise ValueError(f"T5Config.initializer_factor must be > 0, got {self.initializer_factor}")
         for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
@@ -155,6 +167,7 @@ class T5Config:
         names = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in hf.items() if k in names and v is not None}
         fields.pop("attention_backend", None)
+        fields.pop("ffn_kernel", None)
         tie = hf.get("tie_word_embeddings", True)
         fields["tie_word_embeddings"] = bool(tie)
         # HF scales decoder outputs exactly when the embeddings are tied (see transformers T5 code).

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.model import triton_decode_attention
+from training.model import quack_ffn, triton_decode_attention
 from training.model.attention import (
     attention,
     bias_saturation_distance,
@@ -247,9 +247,17 @@ class T5DenseGatedActDense(nn.Module):
         self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
         self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
         self.dropout = nn.Dropout(config.dropout_rate)
+        # T5Config.ffn_kernel "quack": QuACK's GEMM epilogues in training steps where they can run
+        # (training/model/quack_ffn.py); the path below elsewhere, e.g. on CPU.
+        self.use_quack = config.ffn_kernel == "quack" and quack_ffn.available()
+        if self.use_quack:
+            quack_ffn.load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, torch.cat([self.wi_0.weight, self.wi_1.weight]))  # [wi_0 x | wi_1 x]
+        wcat = torch.cat([self.wi_0.weight, self.wi_1.weight])
+        if self.use_quack and quack_ffn.applies(x, wcat.shape[0] // 2, self.training and self.dropout.p > 0):
+            return quack_ffn.gated_ffn(x, wcat, self.wo.weight)  # the GELU in QuACK's GEMM epilogues
+        h = F.linear(x, wcat)  # [wi_0 x | wi_1 x]
         return self.wo(self.dropout(self.act_fn(h)))
 
 
