@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import median_cuda_ms  # noqa: E402
-from benchmarks.gemm_shapes import linear_shapes, step_shape_parser  # noqa: E402
+from benchmarks.gemm_shapes import layer_operands, linear_shapes, step_shape_parser  # noqa: E402
 from training.model import T5Config  # noqa: E402
 from training.model.flops import measure_matmul_tflops  # noqa: E402
 
@@ -121,9 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, rows, k_in, n_out, calls in linear_shapes(
         config, args.batch_size, args.input_length, args.target_length
     ):
-        x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
-        w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
-        dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)
+        x, w, dy = layer_operands(rows, k_in, n_out, device)
         passes = fp8_passes(x, w, dy, quant, quant_t)
         for gemm in passes:
             (m, k), n = gemm.a.shape, gemm.b.shape[1]

@@ -60,6 +60,20 @@ def linear_shapes(
     return shapes
 
 
+def layer_operands(rows: int, k_in: int, n_out: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 operands of one linear layer as under autocast: input x (rows, k_in), weight w
+    (n_out, k_in) and output gradient dy (rows, n_out)."""
+    x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)
+    return x, w, dy
+
+
+def autograd_passes(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
+    """(pass, A, B) of each GEMM A @ B a linear layer runs, in the layouts autograd hands cuBLAS."""
+    return (("forward", x, w.t()), ("input grad", dy, w), ("weight grad", dy.t(), x))
+
+
 def step_shape_parser(description: str) -> argparse.ArgumentParser:
     """The arguments of the GEMM-shape benchmarks: the model preset, the step's batch and lengths,
     and the timed calls per shape."""
@@ -88,12 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, rows, k_in, n_out, calls in linear_shapes(
         config, args.batch_size, args.input_length, args.target_length, args.merge_cross_kv
     ):
-        x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
-        w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
-        dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)
-        passes = (  # (pass, A, B) of A @ B, in the layouts autograd hands cuBLAS
-            ("forward", x, w.t()), ("input grad", dy, w), ("weight grad", dy.t(), x),
-        )
+        x, w, dy = layer_operands(rows, k_in, n_out, device)
+        passes = autograd_passes(x, w, dy)
         for label, a, b in passes:
             (m, k), n = a.shape, b.shape[1]
             ms = median_cuda_ms(functools.partial(torch.matmul, a, b), args.iters, warmup=3)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import kernel_table, median_cuda_ms  # noqa: E402
-from benchmarks.gemm_shapes import linear_shapes, step_shape_parser  # noqa: E402
+from benchmarks.gemm_shapes import autograd_passes, layer_operands, linear_shapes, step_shape_parser  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
 from training.model import T5Config, quack_ffn  # noqa: E402
 from training.model.flops import measure_matmul_tflops  # noqa: E402
@@ -146,10 +146,8 @@ def gemm_part(args, quack_gemm) -> None:
     for name, rows, k_in, n_out, calls in linear_shapes(
         config, args.batch_size, args.input_length, args.target_length
     ):
-        x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
-        w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
-        dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)
-        for label, a, b in (("forward", x, w.t()), ("input grad", dy, w), ("weight grad", dy.t(), x)):
+        x, w, dy = layer_operands(rows, k_in, n_out, device)
+        for label, a, b in autograd_passes(x, w, dy):
             (m, k), n = a.shape, b.shape[1]
             ref = torch.matmul(a, b)
             err = rel_err(quack_gemm(a, b, tuned=args.tuned), ref.float())
@@ -192,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         from quack.mlp import mlp_func as quack_mlp
     except ImportError as exc:
         raise SystemExit(
-            f"benchmarks/quack_gemms.py needs quack-kernels ({exc}): pip install 'quack-kernels[cu13]'"
+            f"benchmarks/quack_gemms.py needs quack-kernels ({exc}): pip install '.[quack]'"
         ) from exc
     import quack
 

@@ -121,7 +121,7 @@ def test_config_checks_name_the_choices_and_what_quack_needs(monkeypatch):
     # HF config.json files never carry it: a checkpoint trained with QuACK loads for anyone
     assert T5Config.from_hf_config({"ffn_kernel": "quack", "d_model": 64}).ffn_kernel == "default"
     monkeypatch.setattr(qf, "available", lambda: False)
-    with pytest.raises(RuntimeError, match=r"pip install 'quack-kernels\[cu13\]'.*model.ffn_kernel=default"):
+    with pytest.raises(RuntimeError, match=r"pip install '\.\[quack\]'.*nvidia-cutlass-dsl\[cu13\].*model.ffn_kernel=default"):
         qf.load()
 
 

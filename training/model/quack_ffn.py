@@ -1,13 +1,13 @@
 """T5 v1.1's gated FFN with the GELU in QuACK's GEMM epilogues (opt-in, Hopper and newer GPUs).
 
-The default FFN (`T5DenseGatedActDense`) runs three cuBLAS GEMMs and two Triton kernels for the
-gated GELU; each kernel reads and writes (rows, 2 d_ff) bf16 activations at the copy bandwidth.
+The default FFN (`T5DenseGatedActDense`) runs its GEMMs on cuBLAS and the gated GELU as a Triton
+kernel each way; each kernel reads and writes (rows, 2 d_ff) bf16 activations at the copy bandwidth.
 QuACK (`pip install quack-kernels`, Tri Dao's GEMMs in NVIDIA's CUTLASS Python DSL) computes
 gelu_tanh(gate) * lin in the epilogue of the x [W0; W1]^T GEMM, and the activation's gradient in the
 epilogue of the backward's dy Wo GEMM, so neither element-wise pass runs on its own and the forward
-keeps no copy of the activation (the backward's epilogue rewrites it). The other three GEMMs stay on
-cuBLAS, which is faster than QuACK's for the weight gradients of these shapes
-(benchmarks/quack_gemms.py, docs/model_speed.md).
+keeps no copy of the activation (the backward's epilogue rewrites it). The forward's Wo GEMM and the
+backward's other three stay on cuBLAS, which is faster than QuACK's for the weight gradients of these
+shapes (benchmarks/quack_gemms.py, docs/model_speed.md).
 
 QuACK's epilogue writes the pre-activation with gate and lin columns interleaved (gate_0, lin_0,
 gate_1, ...) and takes its gradient back in that order; the backward's cuBLAS GEMMs use the rows of
@@ -52,9 +52,9 @@ def load() -> None:
     global _gemm_gated, _gemm_dgated
     if not available():
         raise RuntimeError(
-            "model.ffn_kernel=quack needs quack-kernels (pip install 'quack-kernels[cu13]' for a CUDA 13 "
-            "torch, 'quack-kernels' for CUDA 12) and a CUDA GPU of compute capability 9.0 (Hopper) or "
-            "newer; set model.ffn_kernel=default to run without it"
+            "model.ffn_kernel=quack needs quack-kernels (pip install '.[quack]' in this repository, plus "
+            "'nvidia-cutlass-dsl[cu13]==4.7.0' for a CUDA 13 torch) and a CUDA GPU of compute capability "
+            "9.0 (Hopper) or newer; set model.ffn_kernel=default to run without it"
         )
     from quack.gemm_interface import gemm_dgated, gemm_gated
 
