@@ -36,8 +36,11 @@ def c4_validation_path() -> Path:
 def compile_caches_on():
     """AOTAutograd's and inductor's compile caches on for one test, through the configs' own `patch`
     (monkeypatch deletes an entry of torch's config modules when it undoes it, and every later
-    compile in the process then fails on the missing setting)."""
+    compile in the process then fails on the missing setting). The config modules are imported
+    here: a test run on its own has not compiled anything that would have imported them."""
     import torch
+    import torch._functorch.config
+    import torch._inductor.config
 
     with (
         torch._functorch.config.patch(enable_autograd_cache=True),
