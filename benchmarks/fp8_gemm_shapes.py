@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import median_cuda_ms  # noqa: E402
-from benchmarks.gemm_shapes import layer_operands, linear_shapes, step_shape_parser  # noqa: E402
+from benchmarks.gemm_shapes import step_layer_operands, step_shape_parser  # noqa: E402
 from training.model import T5Config  # noqa: E402
 from training.model.flops import measure_matmul_tflops  # noqa: E402
 
@@ -118,10 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     total = {"bf16": 0.0, "fp8": 0.0, "quant": 0.0}
-    for name, rows, k_in, n_out, calls in linear_shapes(
-        config, args.batch_size, args.input_length, args.target_length
-    ):
-        x, w, dy = layer_operands(rows, k_in, n_out, device)
+    for name, calls, x, w, dy in step_layer_operands(config, args, device):
         passes = fp8_passes(x, w, dy, quant, quant_t)
         for gemm in passes:
             (m, k), n = gemm.a.shape, gemm.b.shape[1]

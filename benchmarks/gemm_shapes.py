@@ -60,13 +60,19 @@ def linear_shapes(
     return shapes
 
 
-def layer_operands(rows: int, k_in: int, n_out: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random bf16 operands of one linear layer as under autocast: input x (rows, k_in), weight w
-    (n_out, k_in) and output gradient dy (rows, n_out)."""
-    x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
-    dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)
-    return x, w, dy
+def step_layer_operands(config: T5Config, args: argparse.Namespace, device, merge_cross_kv: bool = False):
+    """Each linear layer of the step (`linear_shapes` at the batch and lengths of `args`, from
+    `step_shape_parser`) as (name, calls per step, x, w, dy): random bf16 operands as under autocast,
+    input x (rows, in), weight w (out, in) and output gradient dy (rows, out), made one layer at a
+    time so that only one layer's are held."""
+    for name, rows, k_in, n_out, calls in linear_shapes(
+        config, args.batch_size, args.input_length, args.target_length, merge_cross_kv
+    ):
+        x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
+        dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)
+        yield name, calls, x, w, dy
+        del x, w, dy
 
 
 def autograd_passes(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
@@ -99,10 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| layer | pass | (M x K) @ (K x N) | ms | TFLOP/s | of ceiling | per step | ms/step |")
     print("|---|---|---|---|---|---|---|---|")
     total_ms = total_flop = 0.0
-    for name, rows, k_in, n_out, calls in linear_shapes(
-        config, args.batch_size, args.input_length, args.target_length, args.merge_cross_kv
-    ):
-        x, w, dy = layer_operands(rows, k_in, n_out, device)
+    for name, calls, x, w, dy in step_layer_operands(config, args, device, args.merge_cross_kv):
         passes = autograd_passes(x, w, dy)
         for label, a, b in passes:
             (m, k), n = a.shape, b.shape[1]

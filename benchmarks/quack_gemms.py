@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import kernel_table, median_cuda_ms  # noqa: E402
-from benchmarks.gemm_shapes import autograd_passes, layer_operands, linear_shapes, step_shape_parser  # noqa: E402
+from benchmarks.gemm_shapes import autograd_passes, step_layer_operands, step_shape_parser  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
 from training.model import T5Config, quack_ffn  # noqa: E402
 from training.model.flops import measure_matmul_tflops  # noqa: E402
@@ -143,10 +143,7 @@ def gemm_part(args, quack_gemm) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     totals = {"cuBLAS": 0.0, "QuACK": 0.0, "best": 0.0}
-    for name, rows, k_in, n_out, calls in linear_shapes(
-        config, args.batch_size, args.input_length, args.target_length
-    ):
-        x, w, dy = layer_operands(rows, k_in, n_out, device)
+    for name, calls, x, w, dy in step_layer_operands(config, args, device):
         for label, a, b in autograd_passes(x, w, dy):
             (m, k), n = a.shape, b.shape[1]
             ref = torch.matmul(a, b)

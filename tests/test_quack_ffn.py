@@ -102,7 +102,6 @@ def test_the_model_falls_back_to_the_default_ffn_where_quack_cannot_run():
 
 
 def test_applies_only_to_training_steps_of_cuda_tensors_without_dropout(stand_ins, monkeypatch):
-    monkeypatch.setattr(qf, "available", lambda: True)
     cuda_like = torch.empty(4, 768, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "meta"))
     assert qf.applies(cuda_like, 2048, dropout_active=False)

@@ -67,9 +67,9 @@ class ModelConfig:
     ffn_kernel: str = "default"
     """Kernels of the gated FFN in training steps: default (cuBLAS GEMMs, Triton gated GELU) | quack
     (the GELU and its gradient in the epilogues of QuACK's GEMMs; needs `pip install '.[quack]'`,
-    plus `nvidia-cutlass-dsl[cu13]==4.7.0` for a CUDA 13 torch, and a Hopper or newer GPU; ~4% faster steps and 3.9 GiB less at T5-base
-    batch 128 on an H100, after 2-3 minutes of autotuning on the first step; its convergence against
-    the default is not yet checked: docs/model_speed.md)."""
+    plus `nvidia-cutlass-dsl[cu13]==4.7.0` for a CUDA 13 torch, and a Hopper or newer GPU; ~4% faster
+    steps and 3.9 GiB less at T5-base batch 128 on an H100, after 2-3 minutes of autotuning on the
+    first step; its convergence against the default is not yet checked: docs/model_speed.md)."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module

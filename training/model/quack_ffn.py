@@ -85,8 +85,8 @@ class EpilogueFFN(torch.autograd.Function):
 
 
 def applies(x: torch.Tensor, d_ff: int, dropout_active: bool) -> bool:
-    """True when `gated_ffn` runs QuACK's kernels for this input: QuACK `load`ed and `available()`, a
-    CUDA tensor, gradients on (a training step: evaluation and generation, whose input shapes vary,
+    """True when `gated_ffn` runs QuACK's kernels for this input: QuACK `load`ed (which it is only
+    where `available()`), a CUDA tensor, gradients on (a training step: evaluation and generation, whose input shapes vary,
     keep the default path rather than autotune each new shape), no dropout between the GELU and wo
     (the epilogue has none), widths QuACK's TMA loads accept (multiples of 8, of 16 for the gated
     output)."""
@@ -97,7 +97,6 @@ def applies(x: torch.Tensor, d_ff: int, dropout_active: bool) -> bool:
         and not dropout_active
         and x.shape[-1] % 8 == 0
         and d_ff % 16 == 0
-        and available()
     )
 
 
