@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -601,3 +602,53 @@ def test_regional_compile_variant_keeps_loss_and_gradients(monkeypatch):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
     for (name, a), b in zip(eager.named_parameters(), regional.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5 * float(a.grad.abs().max()), msg=name)
+
+
+def test_convergence_variants_parse():
+    from benchmarks.convergence import parse_variants
+
+    assert parse_variants("default=; quack=model.ffn_kernel=quack seed=3") == {
+        "default": [], "quack": ["model.ffn_kernel=quack", "seed=3"]}
+    for bad, match in (("default", "NAME=OVERRIDES"), ("a b=x=1", "NAME=OVERRIDES"), ("a=;a=x=1", "twice"),
+                       ("a=model.ffn_kernel", "key=value"), (" ; ", "empty")):
+        with pytest.raises(SystemExit, match=match):
+            parse_variants(bad)
+
+
+def test_convergence_script_on_cpu(shards, tmp_path):
+    """Two variants x two seeds of a 4-step schedule with evaluations: the same seed and variant gives
+    the same held-out losses whichever invocation ran it, the seeds differ, a second invocation
+    with the same --out runs nothing again, and --table-only prints what --out holds."""
+    out, results = tmp_path / "conv", tmp_path / "rows.jsonl"
+    base = [sys.executable, "benchmarks/convergence.py", "--data", str(shards), "--config",
+            "training/configs/tiny_demo.yaml", "--steps", "4", "--warmup", "1", "--eval-every", "2",
+            "--eval-samples", "16", "--log-every", "1", "--out", str(out), "data.input_length=64",
+            "data.num_workers=0", "eval.batch_size=8", "optim.batch_size=4"]
+    first = subprocess.run([*base, "--variants", "a=;b=optim.base_lr=0.001", "--seeds", "0"], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    kept = {name: (out / name).stat().st_mtime_ns for name in ("a_seed0.log", "b_seed0.log")}
+    second = subprocess.run([*base, "--variants", "a=;b=optim.base_lr=0.001;c=optim.base_lr=0.001", "--seeds", "0,1",
+                             "--json", str(results)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.stdout.count("done:") == 6
+    rows = {(r["variant"], r["seed"]): r for r in map(json.loads, results.read_text().splitlines())}
+    assert sorted(rows) == [(v, s) for v in "abc" for s in (0, 1)]
+    for r in rows.values():
+        assert r["eval_steps"] == [2, 4] and r["final_step"] == 4 and 0 <= r["final_eval_accuracy"] < 1
+        assert r["eval_losses"][-1] == r["final_eval_loss"] and r["train_loss_end"] > 0
+    # b seed 0 ran in the first invocation, c seed 0 in the second: the same run, the same figures
+    assert rows[("b", 0)]["eval_losses"] == pytest.approx(rows[("c", 0)]["eval_losses"], rel=1e-5)
+    assert rows[("a", 0)]["eval_losses"] != rows[("b", 0)]["eval_losses"]  # the variant's override took effect
+    assert rows[("a", 0)]["eval_losses"] != rows[("a", 1)]["eval_losses"]  # so did the seed
+    # the first invocation's runs were kept, not run again
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
+    assert sorted(p.name for p in out.glob("*.log")) == [f"{v}_seed{s}.log" for v in "abc" for s in (0, 1)]
+    table = subprocess.run([*base, "--variants", "a=;b=optim.base_lr=0.001;c=optim.base_lr=0.001", "--seeds", "0,1",
+                            "--table-only"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0, table.stdout[-3000:] + table.stderr[-3000:]
+    summary = [line for line in table.stdout.splitlines() if "final held-out loss" in line]
+    assert [line.split()[0] for line in summary] == ["a", "b", "c"]
+    mean_b = statistics.fmean(rows[("b", s)]["final_eval_loss"] for s in (0, 1))
+    assert f"b              final held-out loss {mean_b:.4f} over 2 seed(s)" in table.stdout
+    assert "gap to a +0.0000" in summary[0]
