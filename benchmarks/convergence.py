@@ -13,10 +13,12 @@ the same, so a variant's gap is read against how far the seeds (and repeated run
         [--out runs/convergence] [--json FILE] [--table-only] [key=value ...]   # overrides for every run
 
 A variant is NAME=OVERRIDES, the overrides space-separated run-config keys (empty: the config as
-shipped); variants are separated by ';'. Runs whose metrics.jsonl already holds the last
-evaluation are not run again, so a comparison can be split over several invocations with the
-same --out (each run's figures come from its own metrics.jsonl); --table-only prints the table of
-what --out holds without running anything. docs/performance.md has the comparisons made with it.
+shipped); variants are separated by ';'. Each run has its directory in --out, NAME_seedN. A run
+whose metrics.jsonl already holds the last evaluation is not run again, so a comparison can be
+split over several invocations with the same --out (each run's figures come from its own
+metrics.jsonl); a run cut short starts over, its records moved aside. A directory holding a run of
+another configuration (schedule, seed or overrides: its config.yaml says) stops the script before
+anything runs there. --table-only prints the table of what --out holds without running anything. docs/performance.md has the comparisons made with it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine_step import add_run_arguments, run_command, start_run, summarise  # noqa: E402
+from training.config_loader import load_run_config  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
 
@@ -74,6 +77,29 @@ def run_figures(metrics_path: Path) -> dict | None:
         "final_step": max(by_step),
         "train_loss_end": train[-1]["loss"] if train else None,
     }
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_kept_run(out: Path, config_path: str, overrides: list[str]) -> None:
+    """Stop if `out` holds a run of another configuration than the one this invocation would run
+    there (another schedule, seed or variant under the same name): its figures would be compared as
+    if they were this one's. The run directory's config.yaml is the run's resolved config."""
+    kept_path = out / "config.yaml"
+    if not kept_path.exists():
+        return
+    expected = _flat(load_run_config(config_path, overrides).to_dict())
+    kept = _flat(load_run_config(kept_path).to_dict())
+    differ = sorted(k for k in expected.keys() | kept.keys() if expected.get(k) != kept.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {kept.get(k)!r} there, {expected.get(k)!r} here" for k in differ[:5])
+        raise SystemExit(f"{out} holds a run of another configuration ({shown}). Give this comparison another "
+                         f"--out, or another variant name; nothing was run or removed.")
 
 
 def summarise_variants(rows: list[dict]) -> list[dict]:
@@ -134,40 +160,46 @@ def main() -> int:
     variants = parse_variants(args.variants)
     seeds = [int(s) for s in args.seeds.split(",")]
     ds_config = f"ds_configs/{args.configs}.json"
-    rows = []
+    plan = []  # (variant, its overrides, seed, run directory, command)
     for name, variant_overrides in variants.items():
         for seed in seeds:
             out = Path(args.out) / f"{name}_seed{seed}"
-            metrics_path = out / "metrics.jsonl"
-            figures = run_figures(metrics_path)
-            speed: dict = {}
-            if figures is None or figures["final_step"] < args.steps:
-                if args.table_only:
-                    continue
-                out.mkdir(parents=True, exist_ok=True)
-                metrics_path.unlink(missing_ok=True)  # a run cut short starts over: the schedule is the comparison
-                cmd = run_command(ds_config, args, [f"seed={seed}", f"eval.every_steps={args.eval_every}",
-                                                    f"eval.max_samples={args.eval_samples}", *overrides,
-                                                    *variant_overrides], out, args.nproc)
-                log_path = Path(args.out) / f"{name}_seed{seed}.log"
-                start = time.time()
-                proc = start_run(cmd, log_path)
-                proc.wait()
-                speed = summarise(out, proc.returncode, log_path, time.time() - start)
-                if "error" in speed:
-                    print(f"{name} seed {seed}: {speed['error']}", flush=True)
-                    continue
-                figures = run_figures(metrics_path)
-            if figures is None:
-                print(f"{name} seed {seed}: no evaluation in {metrics_path}", flush=True)
+            cmd = run_command(ds_config, args, [f"seed={seed}", f"eval.every_steps={args.eval_every}",
+                                                f"eval.max_samples={args.eval_samples}", *overrides,
+                                                *variant_overrides], out, args.nproc)
+            check_kept_run(out, args.config, cmd[cmd.index("--deepspeed_config") + 2:])
+            plan.append((name, variant_overrides, seed, out, cmd))
+    rows = []
+    for name, variant_overrides, seed, out, cmd in plan:
+        metrics_path = out / "metrics.jsonl"
+        figures = run_figures(metrics_path)
+        speed: dict = {}
+        if figures is None or figures["final_step"] < args.steps:
+            if args.table_only:
                 continue
-            if not speed:
-                speed = summarise(out, 0, out, 0.0)
-            row = {"variant": name, "seed": seed, "overrides": variant_overrides, **figures,
-                   "s_per_step": speed.get("s_per_step"), "peak_gib": speed.get("peak_gib")}
-            rows.append(row)
-            print(f"done: {name} seed {seed}: held-out loss {figures['final_eval_loss']:.4f} at step "
-                  f"{figures['final_step']}", flush=True)
+            out.mkdir(parents=True, exist_ok=True)
+            if metrics_path.exists():  # a run cut short starts over (the schedule is the comparison); its
+                # records are kept beside it
+                metrics_path.rename(out / f"metrics.cut_short.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            log_path = Path(args.out) / f"{name}_seed{seed}.log"
+            start = time.time()
+            proc = start_run(cmd, log_path)
+            proc.wait()
+            speed = summarise(out, proc.returncode, log_path, time.time() - start)
+            if "error" in speed:
+                print(f"{name} seed {seed}: {speed['error']}", flush=True)
+                continue
+            figures = run_figures(metrics_path)
+        if figures is None:
+            print(f"{name} seed {seed}: no evaluation in {metrics_path}", flush=True)
+            continue
+        if not speed:
+            speed = summarise(out, 0, out, 0.0)
+        row = {"variant": name, "seed": seed, "overrides": variant_overrides, **figures,
+               "s_per_step": speed.get("s_per_step"), "peak_gib": speed.get("peak_gib")}
+        rows.append(row)
+        print(f"done: {name} seed {seed}: held-out loss {figures['final_eval_loss']:.4f} at step "
+              f"{figures['final_step']}", flush=True)
     if not rows:
         print("no finished runs", flush=True)
         return 1

@@ -616,9 +616,11 @@ def test_convergence_variants_parse():
 
 
 def test_convergence_script_on_cpu(shards, tmp_path):
-    """Two variants x two seeds of a 4-step schedule with evaluations: the same seed and variant gives
-    the same held-out losses whichever invocation ran it, the seeds differ, a second invocation
-    with the same --out runs nothing again, and --table-only prints what --out holds."""
+    """Three variants (b and c the same) x two seeds of a 4-step schedule with evaluations: the same
+    seed and variant gives the same held-out losses whichever invocation ran it, the seeds differ,
+    a second invocation with the same --out runs nothing again, --table-only prints what --out
+    holds, a run cut short runs again with its records kept aside, and a directory holding a run of
+    another configuration stops the script before it runs or removes anything."""
     out, results = tmp_path / "conv", tmp_path / "rows.jsonl"
     base = [sys.executable, "benchmarks/convergence.py", "--data", str(shards), "--config",
             "training/configs/tiny_demo.yaml", "--steps", "4", "--warmup", "1", "--eval-every", "2",
@@ -652,3 +654,20 @@ def test_convergence_script_on_cpu(shards, tmp_path):
     mean_b = statistics.fmean(rows[("b", s)]["final_eval_loss"] for s in (0, 1))
     assert f"b              final held-out loss {mean_b:.4f} over 2 seed(s)" in table.stdout
     assert "gap to a +0.0000" in summary[0]
+    # a variant name reused for other overrides: stopped before anything runs, nothing removed
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    clash = subprocess.run([*base, "--variants", "a=;b=optim.base_lr=0.002", "--seeds", "0"], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert clash.returncode != 0 and "holds a run of another configuration (optim.base_lr: 0.001 there, 0.002 here)" \
+        in clash.stderr, clash.stdout[-2000:] + clash.stderr[-2000:]
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    # a run cut short (its last evaluation missing) runs again; its records are moved aside
+    metrics = out / "a_seed1" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    last_eval = max(i for i, line in enumerate(lines) if json.loads(line)["kind"] == "eval")
+    metrics.write_text("".join(lines[:last_eval]))
+    again = subprocess.run([*base, "--variants", "a=", "--seeds", "1"], cwd=REPO, env=_env(), capture_output=True,
+                           text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"done: a seed 1: held-out loss {rows[('a', 1)]['final_eval_loss']:.4f} at step 4" in again.stdout
+    assert len(list((out / "a_seed1").glob("metrics.cut_short.*.jsonl"))) == 1
