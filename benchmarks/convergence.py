@@ -8,8 +8,8 @@ loss over the seeds and its gap to the first variant, next to the spread between
 one variant the seed sets the initial weights and the data order; across variants each seed is
 the same, so a variant's gap is read against how far the seeds (and repeated runs) differ.
 
-    python benchmarks/convergence.py --data DIR --variants "default=;quack=model.ffn_kernel=quack" \
-        [--seeds 0,1] [--steps 600] [--warmup 100] [--eval-every 150] [--configs zero0] \
+    python benchmarks/convergence.py --data DIR --variants "default=;quack=model.ffn_kernel=quack"
+        [--seeds 0,1] [--steps 600] [--warmup 100] [--eval-every 150] [--configs zero0]
         [--out runs/convergence] [--json FILE] [--table-only] [key=value ...]   # overrides for every run
 
 A variant is NAME=OVERRIDES, the overrides space-separated run-config keys (empty: the config as
@@ -137,7 +137,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_arguments(parser)
+    add_run_arguments(parser, warmup_default="steps // 6, at least 1")
     parser.add_argument("--variants", required=True, help="NAME=OVERRIDES;NAME=OVERRIDES (see above)")
     parser.add_argument("--seeds", default="0,1", help="comma list of seeds")
     parser.add_argument("--steps", type=int, default=600, help="optim.total_steps: the whole cosine schedule")
@@ -171,7 +171,7 @@ def main() -> int:
             plan.append((name, variant_overrides, seed, out, cmd))
     rows = []
     for name, variant_overrides, seed, out, cmd in plan:
-        metrics_path = out / "metrics.jsonl"
+        metrics_path, log_path = out / "metrics.jsonl", Path(args.out) / f"{name}_seed{seed}.log"
         figures = run_figures(metrics_path)
         speed: dict = {}
         if figures is None or figures["final_step"] < args.steps:
@@ -181,7 +181,6 @@ def main() -> int:
             if metrics_path.exists():  # a run cut short starts over (the schedule is the comparison); its
                 # records are kept beside it
                 metrics_path.rename(out / f"metrics.cut_short.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-            log_path = Path(args.out) / f"{name}_seed{seed}.log"
             start = time.time()
             proc = start_run(cmd, log_path)
             proc.wait()
@@ -193,8 +192,8 @@ def main() -> int:
         if figures is None:
             print(f"{name} seed {seed}: no evaluation in {metrics_path}", flush=True)
             continue
-        if not speed:
-            speed = summarise(out, 0, out, 0.0)
+        if not speed:  # a run kept from an earlier invocation: its speed from its metrics.jsonl
+            speed = summarise(out, 0, log_path, 0.0)
         row = {"variant": name, "seed": seed, "overrides": variant_overrides, **figures,
                "s_per_step": speed.get("s_per_step"), "peak_gib": speed.get("peak_gib")}
         rows.append(row)

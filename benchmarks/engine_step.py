@@ -32,11 +32,12 @@ sys.path.insert(0, str(REPO))
 from training.metrics import read_metrics  # noqa: E402
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options every engine benchmark shares: the shards, the run config, the warm-up."""
+def add_run_arguments(parser: argparse.ArgumentParser, warmup_default: str = "min(10, steps-1)") -> None:
+    """The options every engine benchmark shares: the shards, the run config, the warm-up
+    (`warmup_default`: what the script uses when --warmup is not given, for its help)."""
     parser.add_argument("--data", required=True, help="a directory written by data_prep.shard")
     parser.add_argument("--config", default="training/configs/t5_base_c4.yaml", help="run config")
-    parser.add_argument("--warmup", type=int, default=None, help="optim.warmup_steps (default: min(10, steps-1))")
+    parser.add_argument("--warmup", type=int, default=None, help=f"optim.warmup_steps (default: {warmup_default})")
 
 
 def run_command(ds_config: str, args: argparse.Namespace, overrides: list[str], out: Path, nproc: int) -> list[str]:
