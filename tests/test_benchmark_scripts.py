@@ -187,6 +187,7 @@ def test_enctiles_runs_every_attention_with_the_encoders_tiles_and_restores_them
 def test_gpu_only_benchmarks_say_what_they_need():
     for script, need in (("benchmarks/attention_tiles.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/attention_backends.py", "needs triton and a CUDA GPU"),
+                         ("benchmarks/attention_batch_chunks.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/gemm_shapes.py", "needs a CUDA GPU"),
                          ("benchmarks/fp8_gemm_shapes.py", "needs a CUDA GPU with FP8 tensor cores"),
                          ("benchmarks/rms_norm.py", "needs a CUDA GPU"),
@@ -199,6 +200,13 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/quack_gemms.py", "needs a Hopper (sm90) or newer GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("chunks, says", [("0,x", "comma list of integers"), ("4,200", "1..128"), ("-1", "1..128")])
+def test_attention_batch_chunks_refuses_sizes_the_batch_cannot_take(chunks, says):
+    r = subprocess.run([sys.executable, "benchmarks/attention_batch_chunks.py", "--chunks", chunks],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and says in r.stderr, r.stderr[-500:]
 
 
 def test_attention_outputs_names_what_differs_and_says_what_it_needs(tmp_path):

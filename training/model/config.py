@@ -78,8 +78,9 @@ class T5Config:
     residual_dtype: str = "float32"
     # Kernels of the gated FFN's training steps: "default" (cuBLAS GEMMs and our Triton gated-GELU
     # kernels) or "quack" (the GELU and its gradient in the epilogues of QuACK's GEMMs: quack-kernels
-    # on a Hopper or newer GPU; 5-6 ms a step and 3.9 GiB less for T5 base at batch 128 on an H100;
-    # held-out loss as the default's over a 600-step schedule: docs/performance.md). The same function, rounded
+    # on a Hopper or newer GPU; 5-6 ms a step and 3.9 GiB less for T5 base at batch 128 on an H100
+    # under ZeRO 0, no measurable time under ZeRO 2; held-out loss as the default's over a 600-step
+    # schedule: docs/performance.md). The same function, rounded
     # differently (the GELU on the GEMM's fp32 accumulator); where QuACK cannot run (CPU, dropout, no
     # gradients) the FFN takes the default path.
     ffn_kernel: str = "default"
