@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from training.config_loader import load_run_config
-from training.run_setup import INDUCTOR_PDL_OPTION, compile_forward, compile_options, start_engine
+from training.ds_config import load_ds_config
+from training.run_setup import (
+    INDUCTOR_PDL_OPTION,
+    compile_forward,
+    compile_options,
+    start_engine,
+    zero_stage_advice,
+)
 
 
 @pytest.mark.parametrize("mode, expected", [("default", {}), ("reduce-overhead", {"triton.cudagraphs": True}),
@@ -185,3 +194,28 @@ def test_begin_run_seeds_makes_the_directory_on_rank_0_and_switches_determinism(
         set_deterministic(False)
         for stop in reversed(stops):
             stop.restore()
+
+
+@pytest.mark.parametrize("config, world_size, level, says", [
+    ("zero1", 1, logging.WARNING, "Use ds_configs/zero0.json on one GPU"),
+    ("zero2", 1, logging.WARNING, "ZeRO 2 on one GPU partitions nothing"),
+    ("zero0", 2, logging.INFO, "the fastest stage for T5 base on one node"),
+    ("zero0", 1, None, None), ("zero1", 4, None, None), ("zero2", 2, None, None),
+    ("zero3", 1, None, None), ("zero3_offload", 1, None, None),
+])  # fmt: skip
+def test_zero_stage_advice_follows_the_measured_costs(config, world_size, level, says):
+    """Every shipped ds config: a warning where the stage costs time for nothing (ZeRO 1/2 on one GPU),
+    an info line for ZeRO 0 on several ranks, silence elsewhere."""
+    advice = zero_stage_advice(load_ds_config(f"ds_configs/{config}.json"), world_size)
+    if level is None:
+        assert advice is None
+    else:
+        assert advice[0] == level and says in advice[1], advice
+
+
+def test_zero_stage_advice_leaves_one_gpu_offload_alone():
+    """ZeRO 2 with its optimizer offloaded to the CPU is how one GPU trains a model whose optimizer state
+    does not fit: no warning there."""
+    ds = load_ds_config("ds_configs/zero2.json")
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    assert zero_stage_advice(ds, 1) is None
