@@ -70,7 +70,8 @@ class ModelConfig:
     plus `nvidia-cutlass-dsl[cu13]==4.7.0` for a CUDA 13 torch, and a Hopper or newer GPU; ~4% faster
     steps and 3.9 GiB less at T5-base batch 128 on an H100, after 2-3 minutes of autotuning on the
     first step; over a 600-step schedule with three seeds its held-out loss matched the default's
-    within 0.01, docs/performance.md)."""
+    within 0.01, docs/performance.md. That gain is under ZeRO 0; under ZeRO 2 none was measurable,
+    docs/model_speed.md "ZeRO 2 repeated")."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
