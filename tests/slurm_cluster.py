@@ -31,6 +31,7 @@ from pathlib import Path
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged"]
+SBIN = "/usr/sbin"  # where Debian installs the daemons
 
 
 class SlurmUnavailable(RuntimeError):
@@ -50,7 +51,7 @@ class JobResult:
 
 
 def missing_binaries() -> list[str]:
-    return [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+    return [b for b in BINARIES if shutil.which(b) is None and not Path(SBIN, b).exists()]
 
 
 def install(timeout_s: float = 600) -> None:
@@ -157,7 +158,12 @@ class LocalSlurm:
     def __init__(self, root: Path):
         self.root = root  # private dir: state/ spool/ log/ run/ munge/ slurm.conf
         self.conf = root / "slurm.conf"
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        # The daemons live in /usr/sbin, which `missing_binaries` accepts but a user's PATH often lacks
+        # (env -i, non-login shells): put it on the PATH the cluster's commands run with.
+        path = os.environ.get("PATH", "")
+        if SBIN not in path.split(os.pathsep):
+            path = os.pathsep.join(filter(None, (path, SBIN)))
+        self.env = {**os.environ, "PATH": path, "SLURM_CONF": str(self.conf)}
         self.node = socket.gethostname().split(".")[0]
         self.ports = self._read_ports()  # (slurmctld, slurmd), from slurm.conf once written
 
