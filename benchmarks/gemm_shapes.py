@@ -75,9 +75,12 @@ def step_layer_operands(config: T5Config, args: argparse.Namespace, device, merg
         del x, w, dy
 
 
+PASSES = ("forward", "input grad", "weight grad")  # the GEMMs of a linear layer, as `autograd_passes` names them
+
+
 def autograd_passes(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple:
     """(pass, A, B) of each GEMM A @ B a linear layer runs, in the layouts autograd hands cuBLAS."""
-    return (("forward", x, w.t()), ("input grad", dy, w), ("weight grad", dy.t(), x))
+    return tuple(zip(PASSES, (x, dy, dy.t()), (w.t(), w, x)))
 
 
 def step_shape_parser(description: str) -> argparse.ArgumentParser:

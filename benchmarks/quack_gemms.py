@@ -26,6 +26,12 @@ autotune each shape first (minutes of compiling); without it QuACK runs its defa
 
     python benchmarks/quack_gemms.py                       # both parts, QuACK's default tiles
     python benchmarks/quack_gemms.py --parts ffn --tuned
+    python benchmarks/quack_gemms.py --parts gemms --tuned --layers "encoder qkv,encoder o" --passes forward
+
+`--layers` (names as the table prints them, or a prefix such as "encoder") and `--passes` keep the
+autotuned run to the shapes asked for: autotuning takes about a minute per shape and pass.
+`--split-k auto` lets QuACK's autotuner also split the K dimension (the weight gradients' 65536
+rows); by default QuACK runs one CTA per output tile.
 """
 
 from __future__ import annotations
@@ -41,7 +47,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import kernel_table, median_cuda_ms  # noqa: E402
-from benchmarks.gemm_shapes import autograd_passes, step_layer_operands, step_shape_parser  # noqa: E402
+from benchmarks.gemm_shapes import (  # noqa: E402
+    PASSES,
+    autograd_passes,
+    linear_shapes,
+    step_layer_operands,
+    step_shape_parser,
+)
 from benchmarks.options import comma_choices  # noqa: E402
 from training.model import T5Config, quack_ffn  # noqa: E402
 from training.model.flops import measure_matmul_tflops  # noqa: E402
@@ -143,16 +155,19 @@ def gemm_part(args, quack_gemm) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     totals = {"cuBLAS": 0.0, "QuACK": 0.0, "best": 0.0}
+    quack = functools.partial(quack_gemm, tuned=args.tuned, split_k=None if args.split_k == "auto" else 1)
     for name, calls, x, w, dy in step_layer_operands(config, args, device):
+        if not any(name.startswith(layer) for layer in args.layers):
+            continue
         for label, a, b in autograd_passes(x, w, dy):
+            if label not in args.passes:
+                continue
             (m, k), n = a.shape, b.shape[1]
             ref = torch.matmul(a, b)
-            err = rel_err(quack_gemm(a, b, tuned=args.tuned), ref.float())
+            err = rel_err(quack(a, b), ref.float())
             ms = {
                 "cuBLAS": median_cuda_ms(functools.partial(torch.matmul, a, b), args.iters, warmup=3),
-                "QuACK": median_cuda_ms(
-                    functools.partial(quack_gemm, a, b, tuned=args.tuned), args.iters, warmup=3
-                ),
+                "QuACK": median_cuda_ms(functools.partial(quack, a, b), args.iters, warmup=3),
             }
             for key in ms:
                 totals[key] += ms[key] * calls
@@ -163,7 +178,7 @@ def gemm_part(args, quack_gemm) -> None:
                   + (f" err {err:.1e}" if err > 1e-2 else ""))  # fmt: skip
             del ref
         del x, w, dy
-    print(f"# linear layers per step: cuBLAS {totals['cuBLAS']:.1f} ms, QuACK {totals['QuACK']:.1f} ms, "
+    print(f"# these shapes per step: cuBLAS {totals['cuBLAS']:.1f} ms, QuACK {totals['QuACK']:.1f} ms, "
           f"the faster of the two per shape and pass {totals['best']:.1f} ms")  # fmt: skip
 
 
@@ -176,8 +191,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tuned", action="store_true", help="let QuACK autotune each shape (slow first calls)"
     )
+    parser.add_argument("--layers", default="", help="comma-separated layer names or prefixes (default: all)")
+    parser.add_argument(
+        "--passes", default="forward,input grad,weight grad", help="comma-separated: forward, input grad, weight grad"
+    )
+    parser.add_argument("--split-k", choices=("1", "auto"), default="1", help="QuACK's K split: none, or autotuned")
     args = parser.parse_args(argv)
     parts = comma_choices(args.parts, ["ffn", "gemms"], "--parts", "part")
+    args.passes = comma_choices(args.passes, PASSES, "--passes", "pass")
+    args.layers = [layer.strip() for layer in args.layers.split(",")] if args.layers else [""]
+    names = [shape[0] for shape in linear_shapes(T5Config.from_preset(args.preset), 1, 1, 1)]
+    for layer in args.layers:
+        if not any(name.startswith(layer) for name in names):
+            raise SystemExit(f"--layers: no layer named {layer!r} or starting so; the layers: {'; '.join(names)}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         raise SystemExit(
             "benchmarks/quack_gemms.py needs a Hopper (sm90) or newer GPU: QuACK's GEMMs target it"

@@ -197,9 +197,53 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/ffn_epilogue.py", "needs triton and a CUDA GPU"),
                          ("benchmarks/attention_tma.py", "needs triton and an sm_90"),
                          ("benchmarks/attention_fa4.py", "needs a Hopper GPU (sm90)"),
-                         ("benchmarks/quack_gemms.py", "needs a Hopper (sm90) or newer GPU")):
+                         ("benchmarks/quack_gemms.py", "needs a Hopper (sm90) or newer GPU"),
+                         ("benchmarks/quack_norm_epilogue.py", "needs a Hopper (sm90) or newer GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--layers", "encoder qkv,foo", "--layers: no layer named 'foo'"),
+    ("--passes", "forward,backward", "--passes: unknown pass 'backward'")])  # fmt: skip
+def test_quack_gemms_refuses_layers_and_passes_it_does_not_have(option, value, says):
+    r = subprocess.run([sys.executable, "benchmarks/quack_gemms.py", "--parts", "gemms", option, value],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and says in r.stderr, r.stderr[-500:]
+
+
+def _gemm_rms_standin(A, B, C=None, out=None, premult_out=None, eps=1e-6, tuned=True):
+    """QuACK's gemm_rms as torch ops: D = A @ B + C into out (and premult_out), rstd of D's rows."""
+    d = A @ B + C
+    out.copy_(d)
+    if premult_out is not None:
+        premult_out.copy_(d)
+    return out, torch.rsqrt(d.square().mean(-1) + eps)
+
+
+def _gemm_norm_act_standin(A, B, rstd=None, activation=None, tuned=True):
+    """QuACK's gemm_norm_act without an activation: (None, (A @ B) * rstd per row in A's dtype)."""
+    return None, ((A @ B) * rstd[:, None]).to(A.dtype)
+
+
+@pytest.mark.parametrize("low, residual, tol", [(torch.float64, torch.float64, 1e-12),
+                                                (torch.float32, torch.float64, 2e-6)])  # fmt: skip
+def test_quack_norm_epilogue_boundary_is_add_norm_and_linear(monkeypatch, low, residual, tol):
+    """`quack_norm_epilogue.FusedBoundary` (the add in the first GEMM's epilogue, the norm's row scale
+    in the next GEMM's, g folded into W; its own backward) with exact torch stand-ins for QuACK's two
+    GEMMs: the outputs and all five gradients equal the plain add + RMS norm + linear's. With the GEMM
+    dtype below the residual's (the fp32-residual path: h' kept wide, a copy for the next GEMM) the
+    tolerance is the copy's rounding."""
+    import benchmarks.quack_norm_epilogue as qn
+
+    monkeypatch.setattr(qn, "LOW", low)
+    monkeypatch.setattr(qn, "_gemm_rms", _gemm_rms_standin)
+    monkeypatch.setattr(qn, "_gemm_norm_act", _gemm_norm_act_standin)
+    monkeypatch.setattr(qn, "_norm_backward", qn.norm_backward)
+    tensors = qn.inputs(96, 40, 32, 72, residual, "cpu")
+    grads = (torch.randn(96, 32, dtype=residual), torch.randn(96, 72, dtype=low))
+    errs = qn.errors(qn.fused_boundary, tensors, grads)
+    assert len(errs) == 7 and max(errs) < tol, errs
 
 
 @pytest.mark.parametrize("chunks, says", [("0,x", "comma list of integers"), ("4,200", "1..128"), ("-1", "1..128")])
