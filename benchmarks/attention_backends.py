@@ -8,9 +8,6 @@ it: packed projection outputs in, the gradients of the bias included where there
 - `triton`: ours (training/model/triton_attention.py), with the model's defaults.
 - `triton-rel`: ours given T5's relative bias row (heads, Sq + Sk - 1) instead of the dense bias,
   summing its gradient per key - query offset in the dQ kernel (`triton_attention.RELATIVE_BIAS`).
-- `triton-band`: ours with the bias gradient's batch sum over the band |key - query| < far only, the
-  far regions summed per row by the dQ kernel (`triton_attention.DS_SUM` "band"); its dense bias
-  gradient is exact per T5 bucket only, so its error is taken over the per-bucket sums.
 - `triton-nobias`: ours with the same inputs but no bias (the encoder and the decoder; the
   cross-attention has none): what T5's bias and its gradient cost the row above, without
   FlashAttention-4 installed (`benchmarks/attention_fa4.py` has the same row beside FA4's).
@@ -69,9 +66,7 @@ from training.model.attention import (  # noqa: E402
 )
 from training.model.cudnn_attention import head_views  # noqa: E402
 
-BACKENDS = ("triton", "triton-rel", "triton-band", "triton-nobias", "triton-split", "cudnn", "sdpa-cudnn", "sdpa-efficient",
-            "sdpa-flash")
-DEFAULT_DS_SUM = ta.DS_SUM  # the model's, for the rows other than triton-band
+BACKENDS = ("triton", "triton-rel", "triton-nobias", "triton-split", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
 SHAPES = {  # name -> (query length, key length, causal, has a bias)
     "enc": (512, 512, False, True),
     "dec": (114, 114, True, True),
@@ -105,13 +100,7 @@ class Case:
             self.rel = table[:, buckets].contiguous()  # (heads, sq + sk - 1)
             self.bias = dense_bias(self.rel, sq, sk).contiguous()
             self.far = bias_saturation_distance(not self.causal)
-            self.buckets = dense_bias(buckets[None].float(), sq, sk)[0].long()  # (sq, sk)
         self.dout = torch.randn(batch, sq, hd, generator=gen, **bf16)
-
-    def bucket_sums(self, dense: torch.Tensor) -> torch.Tensor:
-        """A dense bias gradient (heads, sq, sk) summed per T5 bucket: (heads, 32)."""
-        sums = torch.zeros(dense.shape[0], 32, device=dense.device)
-        return sums.index_add_(1, self.buckets.flatten(), dense.float().flatten(1))
 
     def flops(self) -> float:
         pairs = self.sq * self.sk if not self.causal else self.sq * (self.sq + 1) / 2
@@ -138,10 +127,9 @@ def run_model_path(case: Case, backend: str, compiled: bool):
     relative = backend == "triton-rel" and case.rel.numel() > 0
     ta.RELATIVE_BIAS = backend == "triton-rel"  # read when packed_attention is traced or called
     ta.ONE_BLOCK_BWD = backend != "triton-split"
-    ta.DS_SUM = "band" if backend == "triton-band" else DEFAULT_DS_SUM
     bias = (case.rel if relative else case.bias).detach().requires_grad_() if case.bias.numel() else None
     leaves = [t for t in (q_src, kv_src, bias) if t is not None]
-    backend = backend.removesuffix("-rel").removesuffix("-split").removesuffix("-band")
+    backend = backend.removesuffix("-rel").removesuffix("-split")
 
     def attend():
         dense, rel = (dense_bias(bias, case.sq, case.sk), bias) if relative else (bias, None)
@@ -238,12 +226,12 @@ def main() -> None:
           f"batch {args.batch_size}, {args.heads} heads, d_kv {args.d_kv}, bf16, "
           f"far tiles in {'+'.join(far_tiles) or 'no kernel'}")  # fmt: skip
     print(TABLE_HEAD)
-    defaults = ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.DS_SUM, ta.FAR_TILES  # run_model_path sets the first three
+    defaults = ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.FAR_TILES  # run_model_path sets the first two per row
     ta.FAR_TILES = far_tiles
     try:
         run_table(args, shapes, backends)
     finally:
-        ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.DS_SUM, ta.FAR_TILES = defaults
+        ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.FAR_TILES = defaults
 
 
 def add_case_options(parser: argparse.ArgumentParser) -> None:
@@ -282,8 +270,6 @@ def timed_row(name: str, label: str, build, case: Case, ref, iters: int, kernels
         return None
     b_ms = total_ms - f_ms
     errs = [rel_err(x, r) for x, r in zip(outputs, ref)] if ref is not None else ["-"] * 4
-    if label.endswith("-band") and ref is not None and case.bias.numel():  # exact per bucket only
-        errs[3] = rel_err(case.bucket_sums(outputs[3]), case.bucket_sums(ref[3]))
     fl = case.flops()
     print(f"| {name} | {label} | {first:.1f} | {f_ms:.3f} | {b_ms:.3f} | {total_ms:.3f} | {fl / f_ms / 1e9:.0f} | "
           f"{2.5 * fl / b_ms / 1e9:.0f} | {' | '.join(errs)} |", flush=True)  # fmt: skip
@@ -322,7 +308,7 @@ def run_table(args: argparse.Namespace, shapes: list[str], backends: list[str]) 
     def builder(case: Case, backend: str):
         if backend == "triton-nobias":
             return partial(run_model_path, without_bias(case), "triton", args.compile) if case.bias.numel() else None
-        if backend in ("triton", "triton-rel", "triton-band", "triton-split", "cudnn"):
+        if backend in ("triton", "triton-rel", "triton-split", "cudnn"):
             return partial(run_model_path, case, backend, args.compile)
         return partial(run_sdpa, case, backend)
 

@@ -298,44 +298,6 @@ def check_far_tiles() -> None:
         _check(f"{tag}: dbias against math", dbias, br.grad, 3e-5)
 
 
-def check_band_sum() -> None:
-    """DS_SUM "band" with a T5 bias (8 buckets up to distance 16) and its far promise: dQ, dK, dV the
-    very same as the whole batch sum's path; the bias gradient equal to it on the band |k - q| < far,
-    each far region's sum at its nearest key and 0 in the rest of it, so that its sums per bucket (what
-    the bucket gather's backward takes) equal the whole gradient's."""
-    heads, d, b = 2, 16, 3
-    for sq, causal, padded in [(64, False, True), (48, True, False), (40, False, False)]:
-        far = bias_saturation_distance(not causal, 8, 16)
-        rel = torch.arange(-(sq - 1), sq)
-        buckets = dense_bias(relative_position_bucket(rel, not causal, 8, 16)[None].float(), sq, sq)[0].long()
-        bias = dense_bias(torch.randn(8, heads)[relative_position_bucket(rel, not causal, 8, 16)].t(), sq, sq)
-        qkv = torch.randn(b, sq, 3 * heads * d)
-        key_mask = qkv.new_empty((0,), dtype=torch.uint8)
-        if padded:
-            key_mask = torch.ones(b, sq, dtype=torch.uint8)
-            key_mask[1, sq // 3 :] = 0
-        dout = torch.randn(b, sq, heads * d)
-        out, lse = ta._launch_fwd(qkv, qkv.new_empty((0,)), bias, key_mask, causal, heads, far)
-        results = {}
-        for ds_sum in ("kernel", "band"):
-            _set_paths("ds", "stored_bias", ds_sum, False)
-            results[ds_sum] = ta._launch_bwd(qkv, qkv.new_empty((0,)), bias, key_mask, out, lse, dout, causal, heads, far)
-        _set_paths()
-        tag = f"band sum {sq}x{sq} causal={causal} padded={padded} (far from {far})"
-        (dq_k, _, whole), (dq_b, _, banded) = results["kernel"], results["band"]
-        if not torch.equal(dq_k, dq_b):
-            raise SystemExit(f"MISMATCH: {tag}: dq|dk|dv differ from the whole batch sum's path")
-        offset = torch.arange(sq)[None, :] - torch.arange(sq)[:, None]
-        in_band = offset.abs() < far
-        _check(f"{tag}: dbias on the band", banded[:, in_band], whole[:, in_band], 1e-6)
-        nearest = (offset == -far) | (offset == far)
-        if banded[:, ~in_band & ~nearest].any():
-            raise SystemExit(f"MISMATCH: {tag}: dbias not 0 in the far regions past their nearest key")
-
-        by_bucket = [torch.zeros(heads, 8).index_add_(1, buckets.flatten(), g.flatten(1)) for g in (banded, whole)]
-        _check(f"{tag}: dbias summed per bucket", *by_bucket, 1e-5)
-
-
 def check_ds_batch_sum() -> None:
     """The stored dS's sum over the batch: several batch steps, a partial last one, a partial last
     block of elements (the test's tile sizes: tests/test_kernels_interpreted.py)."""
@@ -506,7 +468,6 @@ def check_model() -> None:
     cases = [(*paths, False, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias", "kernel", False)]]
     cases.append(("ds", "recompute", "kernel", False, True, False))
     cases.append(("ds", "stored_bias", "kernel", True, False, True))  # the kernels given the relative bias
-    cases.append(("ds", "stored_bias", "band", False, False, False))  # the far regions summed per row
     for dbias_path, dq_path, ds_sum, one_block, far_tiles, relative in cases:
         _set_paths(dbias_path, dq_path, ds_sum, one_block)
         ta.FAR_TILES = ta.FAR_TILE_KERNELS if far_tiles else ()
@@ -556,7 +517,6 @@ def main() -> None:
     check_far_tiles()
     check_half_bias()
     check_ds_batch_sum()
-    check_band_sum()
     check_gated_gelu()
     check_add_rms_norm()
     check_add_norm_sweep()

@@ -146,7 +146,7 @@ def test_model_benchmark_variant_items_parse():
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
-    assert {parse_variant(item, args)["ds_sum"] for item in ("dssumkernel", "dssumtorch", "dssumband")} == set(ta.DS_SUMS)
+    assert {parse_variant(item, args)["ds_sum"] for item in ("dssumkernel", "dssumtorch")} == set(ta.DS_SUMS)
     assert {parse_variant(item, args)["dq"] for item in DQ_ITEMS} == set(ta.DQ_PATHS)
     assert all(parse_variant(item, args)["dq"] == path for item, path in DQ_ITEMS.items())
     with pytest.raises(SystemExit, match="fast"):

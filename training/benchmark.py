@@ -17,10 +17,9 @@ compile cache").
 A variant is a comma list of: an attention backend (triton|cudnn|sdpa|flex|math), compile|nocompile,
 fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), dbiaskernel|dbiasatomic (the fused kernel's
 bias gradient from its separate dbias kernel, or by atomic adds from the dQ kernel, instead of the
-dS that the dQ kernel writes; triton_attention.DBIAS_PATH), dssumkernel|dssumtorch|dssumband (that dS
-summed over the batch by our kernel in a fixed order, or by torch, which inductor fuses with the bias
-table's scatter-add, or by our kernel over the band below T5's saturation distance only, the far
-regions summed per row by the dQ kernel; triton_attention.DS_SUM), dqrecompute|dqstored|dqstoredbias (dQ
+dS that the dQ kernel writes; triton_attention.DBIAS_PATH), dssumkernel|dssumtorch (that dS summed over
+the batch by our kernel in a fixed order, or by torch, which inductor fuses with the bias table's
+scatter-add; triton_attention.DS_SUM), dqrecompute|dqstored|dqstoredbias (dQ
 recomputed from P and dP, or computed from the dS that the dK/dV kernel stores, in every attention or
 in those with a bias; triton_attention.DQ_PATH), optcompiled|opteager
 (AdamWScale's update compiled or foreach kernels), bf16residual|fp32residual (T5Config.residual_dtype
@@ -112,7 +111,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["mode"] = item[5:]
         elif item in ("dbiaskernel", "dbiasatomic"):
             variant["dbias"] = item[5:]
-        elif item in ("dssumkernel", "dssumtorch", "dssumband"):
+        elif item in ("dssumkernel", "dssumtorch"):
             variant["ds_sum"] = item[5:]
         elif item in ("dqrecompute", "dqstored", "dqstoredbias"):
             variant["dq"] = {"dqrecompute": "recompute", "dqstored": "stored", "dqstoredbias": "stored_bias"}[item]

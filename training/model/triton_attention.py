@@ -141,7 +141,6 @@ DBIAS_TILES = _tiles("DBIAS", 64, 64, 4, 2)  # the dbias kernel (DBIAS_PATH "ker
 # elements per step.
 DS_SUM_BLOCK = _env_int("T5DS_ATTN_DS_SUM_BLOCK", 1024)
 DS_SUM_BLOCK_B = _env_int("T5DS_ATTN_DS_SUM_BLOCK_B", 8)
-DS_BAND_BLOCK_W = _env_int("T5DS_ATTN_DS_BAND_BLOCK_W", 256)  # keys per step of `_ds_band_sum_kernel`
 DELTA_BLOCK_M = _env_int("T5DS_ATTN_DELTA_BM", 64)  # query rows per program of rowsum(dO * O)
 
 if _HAS_TRITON:
@@ -154,7 +153,6 @@ if _HAS_TRITON:
         _bwd_dq_kernel,
         _bwd_one_block_kernel,
         _delta_kernel,
-        _ds_band_sum_kernel,
         _ds_batch_sum_kernel,
         _fwd_kernel,
         _rel_grad_reduce_kernel,
@@ -272,14 +270,8 @@ DBIAS_PATH = "ds"
 # the bias table's scatter-add. Under deterministic algorithms inductor no longer autotunes that
 # reduction, and its fixed choice took 8.4 ms a step instead of 3.2; the kernel takes 3.6 ms in
 # either mode, the same step time by default and 6 ms less per step under deterministic algorithms
-# (T5 base, H100, docs/model_speed.md). "band": for a bias constant beyond `far` (T5's), the dQ-from-dS
-# kernel sums each row's dS over the two far regions as it reads it, and `_ds_band_sum_kernel` sums
-# only the band between them (|key - query| < far, ~35% of dS at 512 x 512) over the batch; each far
-# region's sum lands at its nearest key and the rest of the region gets 0, so the dense gradient is
-# exact only summed over each far region (all that a bias gathered from T5's buckets takes from it).
-# Elsewhere (no far promise, dQ recomputed, a relative bias) "band" sums as "kernel" does.
-# Benchmark variants `dssumkernel`, `dssumtorch`, `dssumband`.
-DS_SUMS = ("kernel", "torch", "band")
+# (T5 base, H100, docs/model_speed.md). Benchmark variants `dssumkernel`, `dssumtorch`.
+DS_SUMS = ("kernel", "torch")
 DS_SUM = "kernel"
 # dQ: "recompute" = the dQ kernel recomputes P and dP = dO V^T per tile (FlashAttention-2's two
 # kernels); "stored" = the dK/dV kernel stores dS (B, H, SQ, SK) in the input dtype and
@@ -394,10 +386,8 @@ def _launch_bwd(
             STORE_DS=dq_from_ds, D=D,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
-    relative = relative_rows(bias)
+    relative = flags["HAS_BIAS"] and bias.dim() == 2
     rel_in_kernel = relative and dq_from_ds and relative_grad_in_kernel(key)
-    band = DS_SUM == "band" and dq_from_ds and flags["HAS_BIAS"] and far > 0 and not relative
-    farsum = q_src.new_empty((B * H, SQ, 2) if band else (0,), dtype=torch.float32)
     if dq_from_ds:
         t = DQDS_TILES[key]
         n_m, chunks = triton.cdiv(SQ, t.block_m), triton.cdiv(SK, t.block_n) + 1
@@ -411,7 +401,7 @@ def _launch_bwd(
         wrap(_bwd_dq_from_ds_kernel)[(n_m, B * H)](
             ds, kv, dq_src, drel, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ, chunks,
             CAUSAL=causal, IEEE=flags["IEEE"], REL_GRAD=rel_in_kernel, D=D, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t), FARSUM=farsum, FAR=far, FAR_SUMS=band,
+            num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
         if rel_in_kernel:
             dbias = torch.empty(bias.shape, dtype=torch.float32, device=q_src.device)
@@ -422,13 +412,8 @@ def _launch_bwd(
             return dq_src, dkv_src, dbias
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
-    elif band:
-        dbias = torch.empty((H, SQ, SK), dtype=torch.float32, device=q_src.device)
-        wrap(_ds_band_sum_kernel)[(SQ, H)](
-            ds, farsum, dbias, B, H, SQ, SK, far, BLOCK_B=DS_SUM_BLOCK_B, BLOCK_W=DS_BAND_BLOCK_W, num_warps=4
-        )
     elif ds_mode == 1:
-        dbias = _ds_batch_sum(ds, wrap) if DS_SUM != "torch" else ds.sum(0, dtype=torch.float32)
+        dbias = _ds_batch_sum(ds, wrap) if DS_SUM == "kernel" else ds.sum(0, dtype=torch.float32)
     elif ds_mode == 2:
         dbias = ds
     else:
@@ -441,11 +426,6 @@ def _launch_bwd(
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
     return dq_src, dkv_src, diagonal_sums(dbias) if relative else dbias
-
-
-def relative_rows(bias: torch.Tensor) -> bool:
-    """Whether the kernels got a relative bias, (H, SQ + SK - 1), rather than a dense one or none."""
-    return bias.numel() > 0 and bias.dim() == 2
 
 
 def one_block_applies(tile_key: str, queries: int, has_bias: bool) -> bool:
@@ -576,7 +556,7 @@ def launch_settings() -> str:
     return settings_digest(
         _SOURCE_DIGEST,
         DBIAS_PATH, DQ_PATH, DS_SUM, RELATIVE_BIAS, ONE_BLOCK_BWD, FAR_TILES, BIAS_HALF, SHORT_QUERIES, TILE_TABLES,
-        DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DS_BAND_BLOCK_W, DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
+        DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
     )  # fmt: skip
 
 

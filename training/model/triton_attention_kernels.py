@@ -338,7 +338,7 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
 def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, CAUSAL_OFFSET, CHUNKS,
                            CAUSAL: tl.constexpr, IEEE: tl.constexpr, REL_GRAD: tl.constexpr, D: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
-                           EVEN_N: tl.constexpr, FARSUM=None, FAR=0, FAR_SUMS: tl.constexpr = False):
+                           EVEN_N: tl.constexpr):
     """dQ = dS K of one query block of one (batch, head) from the dS the dK/dV kernel stored: the
     same products, in the same order, as `_bwd_dq_kernel` with its tiles, without recomputing P
     and dP. Reads dS once (a streaming GEMM).
@@ -349,12 +349,7 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ,
     the previous tile's upper one is finished, and is stored as chunk start_n / BLOCK_N of this
     program's CHUNKS (DREL: (B * H, query blocks, CHUNKS, BLOCK_N) fp32; chunk c holds the offsets
     c * BLOCK_N - m0 - BLOCK_N + 1 + r); `_rel_grad_reduce_kernel` sums the chunks over the batch
-    and the query blocks.
-
-    FAR_SUMS (a bias constant per head wherever key - query >= FAR, and wherever query - key >= FAR):
-    also sums each row's dS over those two regions, FARSUM (B * H, SQ, 2) fp32, [..., 0] the keys at
-    or before query - FAR, [..., 1] those at or after query + FAR; `_ds_band_sum_kernel` then sums
-    only the band between them over the batch."""
+    and the query blocks."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -362,9 +357,6 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ds_rows = DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    if FAR_SUMS:
-        before = tl.zeros([BLOCK_M], dtype=tl.float32)
-        after = tl.zeros([BLOCK_M], dtype=tl.float32)
     end_n = _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M, CAUSAL)  # dS is 0 past the causal diagonal
     if REL_GRAD:
         r = tl.arange(0, BLOCK_N)
@@ -381,10 +373,6 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ,
         else:
             ds = tl.load(ds_rows + offs_n[None, :], mask=_inside(offs_m, offs_n, SQ, SK), other=0.0)
         dq += _dot(ds, tl.trans(kt), IEEE)
-        if FAR_SUMS:  # rows and columns past SQ, SK loaded as 0: they add nothing
-            offset = offs_n[None, :] - offs_m[:, None]
-            before += tl.sum(tl.where(offset <= -FAR, ds.to(tl.float32), 0.0), 1)
-            after += tl.sum(tl.where(offset >= FAR, ds.to(tl.float32), 0.0), 1)
         if REL_GRAD:  # rows and columns past SQ, SK loaded as 0: they add nothing
             low = tl.where(lower >= 0, tl.gather(ds, tl.maximum(lower, 0), 1), 0.0)
             high = tl.where(upper < BLOCK_N, tl.gather(ds, tl.minimum(upper, BLOCK_N - 1), 1), 0.0)
@@ -392,43 +380,7 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ,
             carry = tl.sum(high.to(tl.float32), 0)
     if REL_GRAD:  # the last tile's upper half: chunk cdiv(end_n, BLOCK_N)
         tl.store(chunks + (end_n + BLOCK_N - 1) // BLOCK_N * BLOCK_N, carry)
-    if FAR_SUMS:
-        sums = FARSUM + (bh.to(tl.int64) * SQ + offs_m) * 2
-        tl.store(sums, before, mask=offs_m < SQ)
-        tl.store(sums + 1, after, mask=offs_m < SQ)
     _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
-
-
-@triton.jit
-def _ds_band_sum_kernel(DS, FARSUM, DBIAS, B, H, SQ, SK, FAR, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Row q of head h (grid (SQ, H)) of the bias gradient where the bias is constant beyond FAR
-    (`_bwd_dq_from_ds_kernel`'s FAR_SUMS): DBIAS[h, q, k] = the sum over the batch of dS[b, h, q, k]
-    for |k - q| < FAR, read from the stored dS; each far region's sum (the batch's FARSUM) at its
-    nearest key, k = q - FAR and k = q + FAR; 0 elsewhere. Summed over each far region that is the
-    gradient's sum there, which is all a bias constant over the region needs. Fixed order."""
-    q = tl.program_id(0)
-    h = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_B)
-    far_ptrs = FARSUM + ((rows.to(tl.int64) * H + h) * SQ + q) * 2
-    before = tl.zeros([BLOCK_B], dtype=tl.float32)
-    after = tl.zeros([BLOCK_B], dtype=tl.float32)
-    for b0 in range(0, B, BLOCK_B):
-        inside = (b0 + rows) < B
-        before += tl.load(far_ptrs + b0 * H * SQ * 2, mask=inside, other=0.0)
-        after += tl.load(far_ptrs + b0 * H * SQ * 2 + 1, mask=inside, other=0.0)
-    before_sum = tl.sum(before, 0)
-    after_sum = tl.sum(after, 0)
-    for k0 in range(0, SK, BLOCK_W):
-        k = k0 + tl.arange(0, BLOCK_W)
-        band = (k < SK) & (k > q - FAR) & (k < q + FAR)
-        acc = tl.zeros([BLOCK_W], dtype=tl.float32)
-        if (k0 < q + FAR) & (k0 + BLOCK_W > q - FAR):  # the chunk meets the band
-            ptrs = DS + ((rows.to(tl.int64)[:, None] * H + h) * SQ + q) * SK + k[None, :]
-            for b0 in range(0, B, BLOCK_B):
-                x = tl.load(ptrs + b0 * H * SQ * SK, mask=((b0 + rows) < B)[:, None] & band[None, :], other=0.0)
-                acc += tl.sum(x.to(tl.float32), 0)
-        acc = tl.where(k == q - FAR, before_sum, tl.where(k == q + FAR, after_sum, acc))
-        tl.store(DBIAS + (h * SQ + q) * SK + k, acc, mask=k < SK)
 
 
 @triton.jit
