@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--inner", type=int, default=2048, help="the output projection's input width (FFN: d_ff; attention: 768)"
     )
-    parser.add_argument("--next", type=int, default=2304, help="the next GEMM's width (qkv: 3 x inner)")
+    parser.add_argument("--next", type=int, default=2304, help="the next GEMM's width (qkv: 3 x heads x d_kv)")
     parser.add_argument("--residual", default="bf16,fp32", help="comma-separated: bf16, fp32")
     parser.add_argument("--per-step", type=int, default=11, help="boundaries of this kind a step (encoder: 11)")
     parser.add_argument("--iters", type=int, default=20)
