@@ -37,6 +37,7 @@ rows); by default QuACK runs one CTA per output tile.
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -182,6 +183,17 @@ def gemm_part(args, quack_gemm) -> None:
           f"the faster of the two per shape and pass {totals['best']:.1f} ms")  # fmt: skip
 
 
+def require_quack(script: str, *modules: str) -> list:
+    """QuACK's `modules` (e.g. "quack.gemm_interface") imported, or a stop naming what `script` needs:
+    a Hopper (sm90) or newer GPU, and quack-kernels installed."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        raise SystemExit(f"{script} needs a Hopper (sm90) or newer GPU: QuACK's GEMMs target it")
+    try:
+        return [importlib.import_module(name) for name in modules]
+    except ImportError as exc:
+        raise SystemExit(f"{script} needs quack-kernels ({exc}): pip install '.[quack]'") from exc
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = step_shape_parser(__doc__)
     parser.add_argument("--parts", default="ffn,gemms", help="comma-separated: ffn, gemms")
@@ -204,18 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     for layer in args.layers:
         if not any(name.startswith(layer) for name in names):
             raise SystemExit(f"--layers: no layer named {layer!r} or starting so; the layers: {'; '.join(names)}")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        raise SystemExit(
-            "benchmarks/quack_gemms.py needs a Hopper (sm90) or newer GPU: QuACK's GEMMs target it"
-        )
-    try:
-        from quack.gemm_interface import gemm as quack_gemm
-        from quack.mlp import mlp_func as quack_mlp
-    except ImportError as exc:
-        raise SystemExit(
-            f"benchmarks/quack_gemms.py needs quack-kernels ({exc}): pip install '.[quack]'"
-        ) from exc
-    import quack
+    quack, gemms, mlp = require_quack("benchmarks/quack_gemms.py", "quack", "quack.gemm_interface", "quack.mlp")
+    quack_gemm, quack_mlp = gemms.gemm, mlp.mlp_func
 
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | quack-kernels {quack.__version__} | "
           f"{'autotuned' if args.tuned else 'default'} QuACK tiles")  # fmt: skip

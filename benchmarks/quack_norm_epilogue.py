@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import kernel_ms, kernel_table, median_cuda_ms  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
+from benchmarks.quack_gemms import require_quack  # noqa: E402
 from training.model import triton_add_norm  # noqa: E402
 
 LOW = torch.bfloat16  # the GEMMs' operand dtype (tests run the algebra in float64 with torch stand-ins)
@@ -168,19 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kernels", action="store_true", help="each way's kernels, forward + backward (profiler)")
     args = parser.parse_args(argv)
     residuals = comma_choices(args.residual, ["bf16", "fp32"], "--residual", "residual dtype")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        raise SystemExit(
-            "benchmarks/quack_norm_epilogue.py needs a Hopper (sm90) or newer GPU: QuACK's GEMMs target it"
-        )
-    try:
-        from quack.gemm_interface import gemm_norm_act, gemm_rms
-    except ImportError as exc:
-        raise SystemExit(
-            f"benchmarks/quack_norm_epilogue.py needs quack-kernels ({exc}): pip install '.[quack]'"
-        ) from exc
-    import quack
+    quack, gemms = require_quack("benchmarks/quack_norm_epilogue.py", "quack", "quack.gemm_interface")
 
-    TUNED, _gemm_rms, _gemm_norm_act = not args.no_tuned, gemm_rms, gemm_norm_act
+    TUNED, _gemm_rms, _gemm_norm_act = not args.no_tuned, gemms.gemm_rms, gemms.gemm_norm_act
     device = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | quack-kernels {quack.__version__} | "
           f"{'autotuned' if TUNED else 'default'} QuACK tiles | rows {args.rows}, d {args.d_model}, "

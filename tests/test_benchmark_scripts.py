@@ -212,6 +212,17 @@ def test_quack_gemms_refuses_layers_and_passes_it_does_not_have(option, value, s
     assert r.returncode != 0 and says in r.stderr, r.stderr[-500:]
 
 
+def test_quack_benchmarks_say_when_quack_is_missing(monkeypatch):
+    """On a Hopper GPU without quack-kernels, `require_quack` stops with what to install."""
+    from benchmarks.quack_gemms import require_quack
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setitem(sys.modules, "quack", None)  # an import of it raises ImportError
+    with pytest.raises(SystemExit, match=r"some_script.py needs quack-kernels .*pip install '\.\[quack\]'"):
+        require_quack("some_script.py", "quack", "quack.gemm_interface")
+
+
 def _gemm_rms_standin(A, B, C=None, out=None, premult_out=None, eps=1e-6, tuned=True):
     """QuACK's gemm_rms as torch ops: D = A @ B + C into out (and premult_out), rstd of D's rows."""
     d = A @ B + C
