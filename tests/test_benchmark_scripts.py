@@ -198,7 +198,8 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/attention_tma.py", "needs triton and an sm_90"),
                          ("benchmarks/attention_fa4.py", "needs a Hopper GPU (sm90)"),
                          ("benchmarks/quack_gemms.py", "needs a Hopper (sm90) or newer GPU"),
-                         ("benchmarks/quack_norm_epilogue.py", "needs a Hopper (sm90) or newer GPU")):
+                         ("benchmarks/quack_norm_epilogue.py", "needs a Hopper (sm90) or newer GPU"),
+                         ("benchmarks/stream_overlap.py", "needs a CUDA GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
@@ -210,6 +211,20 @@ def test_quack_gemms_refuses_layers_and_passes_it_does_not_have(option, value, s
     r = subprocess.run([sys.executable, "benchmarks/quack_gemms.py", "--parts", "gemms", option, value],
                        cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode != 0 and says in r.stderr, r.stderr[-500:]
+
+
+def test_stream_overlap_runs_the_backward_gemms_that_follow_the_attention():
+    """benchmarks/stream_overlap.py's GEMMs are the input and weight gradients of the qkv projection
+    and of the FFN's wo and [wi_0; wi_1], in that order; an unknown group is refused."""
+    from benchmarks.stream_overlap import gemm_calls, parse_args
+
+    rows, d, f = 24, 8, 12
+    outs = [call().shape for call in gemm_calls(rows, d, f, ["qkv", "ffn"], "cpu", torch.float32)]
+    assert outs == [(rows, d), (3 * d, d), (rows, f), (d, f), (rows, d), (2 * f, d)]
+    assert [call().shape for call in gemm_calls(rows, d, f, ["qkv"], "cpu", torch.float32)] == outs[:2]
+    assert parse_args(["--gemms", "ffn"]).gemms == ["ffn"]
+    with pytest.raises(SystemExit, match="--gemms: unknown GEMM group 'attn'"):
+        parse_args(["--gemms", "qkv,attn"])
 
 
 def test_quack_benchmarks_say_when_quack_is_missing(monkeypatch):
