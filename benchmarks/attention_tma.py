@@ -125,9 +125,9 @@ def run_model_kernel(x: dict, dkv: torch.Tensor, ds: torch.Tensor, tiles) -> Non
     B, S = qkv.shape[:2]
     key_mask = torch.empty((0,), dtype=torch.bool, device="cuda")
     K._bwd_dkdv_kernel[(triton.cdiv(S, tiles.block_n), B * H)](
-        qkv, qkv, x["kbias"], key_mask, dout, x["lse"], x["delta"], dkv, ds, key_mask.float(),
+        qkv, qkv, x["kbias"], key_mask, dout, x["lse"], x["delta"], dkv, ds,
         *qkv.stride()[:2], *qkv.stride()[:2], *dout.stride()[:2], *dkv.stride()[:2], H * D, 2 * H * D,
-        H, S, S, 0, B * H * S, 0, 0, HAS_BIAS=True, FAR_TILES=False, HAS_MASK=False, CAUSAL=False, IEEE=False,
+        H, S, S, 0, B * H * S, 0, HAS_BIAS=True, FAR_TILES=False, HAS_MASK=False, CAUSAL=False, IEEE=False,
         STORE_DS=True, D=D, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, EVEN_M=True, EVEN_N=True,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip

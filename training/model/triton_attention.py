@@ -154,7 +154,6 @@ if _HAS_TRITON:
         _bwd_one_block_kernel,
         _delta_kernel,
         _ds_batch_sum_kernel,
-        _ds_tile_batch_sum_kernel,
         _fwd_kernel,
         _rel_grad_reduce_kernel,
     )
@@ -274,13 +273,6 @@ DBIAS_PATH = "ds"
 # (T5 base, H100, docs/model_speed.md). Benchmark variants `dssumkernel`, `dssumtorch`.
 DS_SUMS = ("kernel", "torch")
 DS_SUM = "kernel"
-# Experiment (thirty-fifth session): with T5's bias (`far` > 0), the dK/dV kernel also writes each dS
-# tile's sum (1: every tile's; 2: the far tiles' only, behind a branch), and `_ds_tile_batch_sum_kernel`
-# reads only the near tiles' dS, the far tiles' bias gradient coming from those sums (exact per bucket).
-DS_TILE_SUMS = _env_int("T5DS_ATTN_DS_TILE_SUMS", 0)
-DS_TILE_SUM_BLOCK_B = 32
-DS_TILE_SUM_LOAD_B = _env_int("T5DS_ATTN_DS_TILE_SUM_LOAD_B", 4)
-DS_TILE_SUM_WARPS = _env_int("T5DS_ATTN_DS_TILE_SUM_WARPS", 8)
 # dQ: "recompute" = the dQ kernel recomputes P and dP = dO V^T per tile (FlashAttention-2's two
 # kernels); "stored" = the dK/dV kernel stores dS (B, H, SQ, SK) in the input dtype and
 # `_bwd_dq_from_ds_kernel` computes dQ = dS K from it (no recomputation; one batch-sized buffer for
@@ -386,18 +378,12 @@ def _launch_bwd(
             H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, DS_MODE=ds_mode, D=D,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
-    tile_sums = (DS_TILE_SUMS if dq_from_ds and flags["HAS_BIAS"] and bias.dim() == 3 and far > 0 and not causal
-                 and DS_SUM == "kernel" else 0)  # fmt: skip
-    tsum = q_src.new_empty((0,), dtype=torch.float32)
     if not one_block:
         t = DKDV_TILES[key]
-        if tile_sums:
-            tsum = torch.zeros((B * H, triton.cdiv(SQ, t.block_m), triton.cdiv(SK, t.block_n)),
-                               dtype=torch.float32, device=q_src.device)  # fmt: skip
         wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, t.block_n), B * H)](
-            q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, tsum, *strides, *dkv.stride()[:2], k_off, v_off,
-            H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), FAR_S=far, CAUSAL=causal,
-            STORE_DS=dq_from_ds, D=D, TILE_SUMS=tile_sums,
+            q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
+            H, SQ, SK, SK - SQ, B * H * SQ, **_flags(q_src, bias, key_mask, far, "dkdv"), CAUSAL=causal,
+            STORE_DS=dq_from_ds, D=D,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
     relative = flags["HAS_BIAS"] and bias.dim() == 2
@@ -426,13 +412,6 @@ def _launch_bwd(
             return dq_src, dkv_src, dbias
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
-    elif ds_mode == 1 and tile_sums:
-        t = DKDV_TILES[key]
-        dbias = torch.empty((H, SQ, SK), dtype=torch.float32, device=q_src.device)
-        wrap(_ds_tile_batch_sum_kernel)[(triton.cdiv(SQ, t.block_m) * triton.cdiv(SK, t.block_n), H)](
-            ds, tsum, dbias, B, SQ, SK, far, BM=t.block_m, BN=t.block_n, BLOCK_B=DS_TILE_SUM_BLOCK_B,
-            LOAD_B=DS_TILE_SUM_LOAD_B, num_warps=DS_TILE_SUM_WARPS,
-        )  # fmt: skip
     elif ds_mode == 1:
         dbias = _ds_batch_sum(ds, wrap) if DS_SUM == "kernel" else ds.sum(0, dtype=torch.float32)
     elif ds_mode == 2:
@@ -577,7 +556,7 @@ def launch_settings() -> str:
     return settings_digest(
         _SOURCE_DIGEST,
         DBIAS_PATH, DQ_PATH, DS_SUM, RELATIVE_BIAS, ONE_BLOCK_BWD, FAR_TILES, BIAS_HALF, SHORT_QUERIES, TILE_TABLES,
-        DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DELTA_BLOCK_M, REL_GRAD_BLOCK_B, DS_TILE_SUMS,
+        DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
     )  # fmt: skip
 
 

@@ -207,13 +207,13 @@ def _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, del
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, TSUM,
+def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
                      sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
-                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR, FAR_S,
+                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
                      HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
                      CAUSAL: tl.constexpr, IEEE: tl.constexpr, STORE_DS: tl.constexpr, D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
-                     EVEN_N: tl.constexpr, TILE_SUMS: tl.constexpr = 0):
+                     EVEN_N: tl.constexpr):
     """dK, dV of one key block of one (batch, head): walks all query blocks. Both land in DKV, laid
     out like KV (k at K_OFF, v at V_OFF): a packed source gets its gradient as one buffer.
     STORE_DS: also stores dS (B, H, SQ, SK) in the input dtype, for dQ = dS K
@@ -244,12 +244,6 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, TSUM,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if STORE_DS:
             _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
-        if TILE_SUMS > 0:  # the tile's sum of dS, (B * H, query blocks, key blocks) fp32
-            tsum_ptr = TSUM + (bh * tl.cdiv(SQ, BLOCK_M) + sm // BLOCK_M) * tl.cdiv(SK, BLOCK_N) + pid_n
-            if TILE_SUMS == 1:  # every tile's
-                tl.store(tsum_ptr, tl.sum(tl.sum(ds, 1), 0))
-            elif _far_tile(sm, pid_n * BLOCK_N, FAR_S, BLOCK_M, BLOCK_N):  # only the far tiles'
-                tl.store(tsum_ptr, tl.sum(tl.sum(ds, 1), 0))
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
     _store_rows(DKV + K_OFF, dk, b, h, offs_n, sdkb, sdks, SK, D)
@@ -459,49 +453,6 @@ def _ds_batch_sum_kernel(DS, DBIAS, B, N, BLOCK_B: tl.constexpr, BLOCK: tl.const
                     other=0.0)
         acc += tl.sum(x.to(tl.float32), axis=0)
     tl.store(DBIAS + offs, acc, mask=inside)
-
-
-@triton.jit
-def _far_tile(m0, n0, FAR, BM: tl.constexpr, BN: tl.constexpr):
-    """Whether the (BM, BN) tile at queries m0.., keys n0.. lies wholly where key - query >= FAR or
-    wholly where query - key >= FAR (one bias bucket each, T5's last)."""
-    return (FAR > 0) & ((n0 - m0 >= FAR + BM - 1) | (m0 - n0 >= FAR + BN - 1))
-
-
-@triton.jit
-def _ds_tile_batch_sum_kernel(DS, TSUM, DBIAS, B, SQ, SK, FAR, BM: tl.constexpr, BN: tl.constexpr,
-                              BLOCK_B: tl.constexpr, LOAD_B: tl.constexpr):
-    """The bias gradient from dS by (BM, BN) tiles, grid (tiles, H): a near tile sums its dS over the
-    batch as `_ds_batch_sum_kernel` does; a far tile (`_far_tile`, one bias bucket) sums its B tile
-    sums (TSUM, from the dK/dV kernel) and spreads the total evenly over its elements, so that the
-    gradient is exact per bucket, not per element, and the far tiles' dS is not read here."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    H = tl.num_programs(1)
-    n_m, n_n = tl.cdiv(SQ, BM), tl.cdiv(SK, BN)
-    tm, tn = t // n_n, t % n_n
-    offs_m = tm * BM + tl.arange(0, BM)
-    offs_n = tn * BN + tl.arange(0, BN)
-    inside = (offs_m < SQ)[:, None] & (offs_n < SK)[None, :]
-    out = DBIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
-    if _far_tile(tm * BM, tn * BN, FAR, BM, BN):
-        rows = tl.arange(0, BLOCK_B)
-        total = tl.zeros([BLOCK_B], dtype=tl.float32)
-        for b0 in range(0, B, BLOCK_B):
-            b = b0 + rows
-            total += tl.load(TSUM + ((b * H + h) * n_m + tm) * n_n + tn, mask=b < B, other=0.0)
-        count = (tl.minimum(SQ - tm * BM, BM) * tl.minimum(SK - tn * BN, BN)).to(tl.float32)
-        tl.store(out, tl.zeros([BM, BN], dtype=tl.float32) + tl.sum(total, 0) / count, mask=inside)
-    else:  # LOAD_B batch elements' tiles per load, so that each program keeps several loads in flight
-        batch = tl.arange(0, LOAD_B)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        tile = offs_m[:, None] * SK + offs_n[None, :]
-        for b0 in range(0, B, LOAD_B):
-            b = b0 + batch
-            ptrs = DS + (b * H + h).to(tl.int64)[:, None, None] * SQ * SK + tile[None, :, :]
-            x = tl.load(ptrs, mask=(b < B)[:, None, None] & inside[None, :, :], other=0.0)
-            acc += tl.sum(x.to(tl.float32), axis=0)
-        tl.store(out, acc, mask=inside)
 
 
 @triton.jit
