@@ -10,11 +10,18 @@ layers are from the bf16 8192^3 matmul measured in the same run (`training.model
     python benchmarks/gemm_shapes.py                       # T5 base, batch 128, 512 -> 114
     python benchmarks/gemm_shapes.py --preset large --batch-size 64
     python benchmarks/gemm_shapes.py --merge-cross-kv      # the decoder's cross k/v as one GEMM
+    python benchmarks/gemm_shapes.py --inductor --layers "decoder self;decoder wi;decoder wo"
 
 `--merge-cross-kv` times what the step's GEMMs would be if the cross-attention k/v projections of
 all decoder layers (they all read the encoder output) ran as one GEMM: rows x d_model x (layers x 2
 x inner) once, instead of rows x d_model x (2 x inner) once per layer. The model does not do that;
 this measures whether it would pay.
+
+`--inductor` also times each GEMM as torch.compile's max-autotune (`max-autotune-no-cudagraphs`)
+compiles it on its own: inductor times cuBLAS against its Triton matmul templates for that shape and
+layout and keeps the fastest, which says how much a Triton GEMM could take out of a shape where
+cuBLAS is slow (8-20 s of tuning per GEMM; `--layers` picks the layers). Both columns are then the
+profiler's kernel time per call (a compiled call's host-side guards outlast these GEMMs).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cuda_timing import median_cuda_ms  # noqa: E402
+from benchmarks.cuda_timing import kernel_ms, median_cuda_ms  # noqa: E402
 from training.model import T5Config  # noqa: E402
 from training.model.flops import measure_matmul_tflops  # noqa: E402
 
@@ -95,20 +102,40 @@ def step_shape_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def chosen_layers(text: str | None, names: list[str]) -> list[str]:
+    """The layers whose names contain one of the ';'-separated fragments of `text` (all of them for
+    None); a fragment that no layer's name contains stops the script with the names."""
+    if text is None:
+        return names
+    fragments = [part.strip() for part in text.split(";")]
+    for part in fragments:
+        if not any(part in name for name in names):
+            raise SystemExit(f"--layers: no layer's name contains {part!r}; the layers: {'; '.join(names)}")
+    return [name for name in names if any(part in name for part in fragments)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = step_shape_parser(__doc__)
     parser.add_argument("--merge-cross-kv", action="store_true", help="the decoder's cross k/v as one GEMM")
+    parser.add_argument("--inductor", action="store_true",
+                        help="also time each GEMM as max-autotune compiles it (cuBLAS or a Triton template)")
+    parser.add_argument("--layers", default=None,
+                        help="';'-separated fragments of the names of the layers to time (default: all)")
     args = parser.parse_args(argv)
+    config = T5Config.from_preset(args.preset)
+    layers = chosen_layers(args.layers, [name for name, *_ in linear_shapes(config, 1, 1, 1, args.merge_cross_kv)])
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm_shapes.py needs a CUDA GPU (it times cuBLAS)")
     device = torch.device("cuda")
-    config = T5Config.from_preset(args.preset)
     ceiling = measure_matmul_tflops(device)
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 8192^3 matmul {ceiling:.0f} TFLOP/s")
-    print("| layer | pass | (M x K) @ (K x N) | ms | TFLOP/s | of ceiling | per step | ms/step |")
-    print("|---|---|---|---|---|---|---|---|")
-    total_ms = total_flop = 0.0
+    tuned_cols = " | max-autotune ms | TFLOP/s | saved ms/step" if args.inductor else ""
+    print(f"| layer | pass | (M x K) @ (K x N) | ms | TFLOP/s | of ceiling | per step | ms/step{tuned_cols} |")
+    print("|---|---|---|---|---|---|---|---|" + "---|---|---|" * args.inductor)
+    total_ms = total_flop = total_saved = 0.0
     for name, calls, x, w, dy in step_layer_operands(config, args, device, args.merge_cross_kv):
+        if name not in layers:
+            continue
         passes = autograd_passes(x, w, dy)
         for label, a, b in passes:
             (m, k), n = a.shape, b.shape[1]
@@ -116,12 +143,28 @@ def main(argv: list[str] | None = None) -> None:
             tflops = 2 * m * k * n / ms / 1e9
             total_ms += ms * calls
             total_flop += 2 * m * k * n * calls
-            print(f"| {name} | {label} | ({m} x {k}) @ ({k} x {n}) | {ms:.4f} | {tflops:.0f} | "
-                  f"{tflops / ceiling:.0%} | {calls} | {ms * calls:.2f} |")  # fmt: skip
+            row = (f"| {name} | {label} | ({m} x {k}) @ ({k} x {n}) | {ms:.4f} | {tflops:.0f} | "
+                   f"{tflops / ceiling:.0%} | {calls} | {ms * calls:.2f} |")  # fmt: skip
+            if args.inductor:  # a fresh compile per GEMM: each is its own graph, tuned for its shape
+                torch._dynamo.reset()
+                tuned = torch.compile(torch.matmul, mode="max-autotune-no-cudagraphs", dynamic=False)
+                tuned(a, b)  # tunes
+                # the profiler's kernel time, for both: a compiled call's guards and wrapper take longer
+                # on the host than these GEMMs on the GPU, which CUDA events around one call would count
+                ms = kernel_ms(functools.partial(torch.matmul, a, b), args.iters)
+                tuned_ms = kernel_ms(functools.partial(tuned, a, b), args.iters)
+                total_saved += (ms - tuned_ms) * calls
+                row = (f"| {name} | {label} | ({m} x {k}) @ ({k} x {n}) | {ms:.4f} | {2 * m * k * n / ms / 1e9:.0f} | "
+                       f"{2 * m * k * n / ms / 1e9 / ceiling:.0%} | {calls} | {ms * calls:.2f} | {tuned_ms:.4f} | "
+                       f"{2 * m * k * n / tuned_ms / 1e9:.0f} | {(ms - tuned_ms) * calls:.2f} |")  # fmt: skip
+            print(row)
         del x, w, dy, passes, a, b
-    print(f"# linear layers: {total_ms:.1f} ms per step at {total_flop / total_ms / 1e9:.0f} TFLOP/s "
+    what = "linear layers" if args.layers is None else "these layers"
+    print(f"# {what}: {total_ms:.1f} ms per step at {total_flop / total_ms / 1e9:.0f} TFLOP/s "
           f"({total_flop / total_ms / 1e9 / ceiling:.0%} of the ceiling); at the ceiling: "
           f"{total_flop / ceiling / 1e9:.1f} ms")  # fmt: skip
+    if args.inductor:
+        print(f"# max-autotune's GEMMs would save {total_saved:.2f} ms per step on these layers")
 
 
 if __name__ == "__main__":
