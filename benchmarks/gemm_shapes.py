@@ -10,7 +10,7 @@ layers are from the bf16 8192^3 matmul measured in the same run (`training.model
     python benchmarks/gemm_shapes.py                       # T5 base, batch 128, 512 -> 114
     python benchmarks/gemm_shapes.py --preset large --batch-size 64
     python benchmarks/gemm_shapes.py --merge-cross-kv      # the decoder's cross k/v as one GEMM
-    python benchmarks/gemm_shapes.py --inductor --layers "decoder self;decoder wi;decoder wo"
+    python benchmarks/gemm_shapes.py --inductor --layers "decoder self,decoder wi,decoder wo"
 
 `--merge-cross-kv` times what the step's GEMMs would be if the cross-attention k/v projections of
 all decoder layers (they all read the encoder output) ran as one GEMM: rows x d_model x (layers x 2
@@ -103,15 +103,16 @@ def step_shape_parser(description: str) -> argparse.ArgumentParser:
 
 
 def chosen_layers(text: str | None, names: list[str]) -> list[str]:
-    """The layers whose names contain one of the ';'-separated fragments of `text` (all of them for
-    None); a fragment that no layer's name contains stops the script with the names."""
-    if text is None:
+    """The layers a `--layers` option names: comma-separated layer names, or prefixes such as
+    "encoder" (a name may itself hold commas, and is chosen by a prefix of it: "decoder self o").
+    All of them for None or ""; an item that no name starts with stops the script with the names."""
+    if not text:
         return names
-    fragments = [part.strip() for part in text.split(";")]
-    for part in fragments:
-        if not any(part in name for name in names):
-            raise SystemExit(f"--layers: no layer's name contains {part!r}; the layers: {'; '.join(names)}")
-    return [name for name in names if any(part in name for part in fragments)]
+    prefixes = [part.strip() for part in text.split(",")]
+    for prefix in prefixes:
+        if not any(name.startswith(prefix) for name in names):
+            raise SystemExit(f"--layers: no layer named {prefix!r} or starting so; the layers: {'; '.join(names)}")
+    return [name for name in names if any(name.startswith(prefix) for prefix in prefixes)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inductor", action="store_true",
                         help="also time each GEMM as max-autotune compiles it (cuBLAS or a Triton template)")
     parser.add_argument("--layers", default=None,
-                        help="';'-separated fragments of the names of the layers to time (default: all)")
+                        help="comma-separated layer names or prefixes such as 'encoder' (default: all)")
     args = parser.parse_args(argv)
     config = T5Config.from_preset(args.preset)
     layers = chosen_layers(args.layers, [name for name, *_ in linear_shapes(config, 1, 1, 1, args.merge_cross_kv)])

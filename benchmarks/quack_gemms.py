@@ -51,6 +51,7 @@ from benchmarks.cuda_timing import kernel_table, median_cuda_ms  # noqa: E402
 from benchmarks.gemm_shapes import (  # noqa: E402
     PASSES,
     autograd_passes,
+    chosen_layers,
     linear_shapes,
     step_layer_operands,
     step_shape_parser,
@@ -158,7 +159,7 @@ def gemm_part(args, quack_gemm) -> None:
     totals = {"cuBLAS": 0.0, "QuACK": 0.0, "best": 0.0}
     quack = functools.partial(quack_gemm, tuned=args.tuned, split_k=None if args.split_k == "auto" else 1)
     for name, calls, x, w, dy in step_layer_operands(config, args, device):
-        if not any(name.startswith(layer) for layer in args.layers):
+        if name not in args.layers:
             continue
         for label, a, b in autograd_passes(x, w, dy):
             if label not in args.passes:
@@ -211,11 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     parts = comma_choices(args.parts, ["ffn", "gemms"], "--parts", "part")
     args.passes = comma_choices(args.passes, PASSES, "--passes", "pass")
-    args.layers = [layer.strip() for layer in args.layers.split(",")] if args.layers else [""]
     names = [shape[0] for shape in linear_shapes(T5Config.from_preset(args.preset), 1, 1, 1)]
-    for layer in args.layers:
-        if not any(name.startswith(layer) for name in names):
-            raise SystemExit(f"--layers: no layer named {layer!r} or starting so; the layers: {'; '.join(names)}")
+    args.layers = chosen_layers(args.layers, names)
     quack, gemms, mlp = require_quack("benchmarks/quack_gemms.py", "quack", "quack.gemm_interface", "quack.mlp")
     quack_gemm, quack_mlp = gemms.gemm, mlp.mlp_func
 

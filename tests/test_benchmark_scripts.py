@@ -291,16 +291,18 @@ def test_gemm_shapes_count_the_model_flops(merge_cross_kv):
     assert cross == ([(128 * 512, 768, 12 * 2 * 768, 1)] if merge_cross_kv else [(128 * 512, 768, 2 * 768, 12)])
 
 
-def test_gemm_shapes_layers_are_chosen_by_fragments_of_their_names():
-    """`--layers` takes ';'-separated fragments (a layer's name may hold commas); a fragment that
-    matches no layer stops the script with the names."""
+def test_gemm_benchmarks_choose_layers_by_name_or_prefix():
+    """`--layers` of gemm_shapes.py and quack_gemms.py: comma-separated names or prefixes (a name that
+    holds commas is chosen by a prefix of it); an item no name starts with stops the script with the
+    names."""
     from benchmarks.gemm_shapes import chosen_layers
 
     names = ["encoder o", "decoder self o, cross q, cross o", "decoder wo", "lm_head chunk"]
-    assert chosen_layers(None, names) == names
-    assert chosen_layers("cross q; wo", names) == ["decoder self o, cross q, cross o", "decoder wo"]
-    with pytest.raises(SystemExit, match="--layers: no layer's name contains 'wi'; the layers: encoder o; "):
-        chosen_layers("wo;wi", names)
+    assert chosen_layers(None, names) == chosen_layers("", names) == names
+    assert chosen_layers("decoder self o, decoder wo", names) == ["decoder self o, cross q, cross o", "decoder wo"]
+    assert chosen_layers("decoder", names) == names[1:3]
+    with pytest.raises(SystemExit, match="--layers: no layer named 'cross q' or starting so; the layers: encoder o; "):
+        chosen_layers("decoder wo,cross q", names)
 
 
 def test_benchmark_comma_lists_are_checked_against_their_choices():
