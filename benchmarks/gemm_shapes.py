@@ -67,14 +67,18 @@ def linear_shapes(
     return shapes
 
 
-def step_layer_operands(config: T5Config, args: argparse.Namespace, device, merge_cross_kv: bool = False):
+def step_layer_operands(
+    config: T5Config, args: argparse.Namespace, device, merge_cross_kv: bool = False, layers=None
+):
     """Each linear layer of the step (`linear_shapes` at the batch and lengths of `args`, from
     `step_shape_parser`) as (name, calls per step, x, w, dy): random bf16 operands as under autocast,
     input x (rows, in), weight w (out, in) and output gradient dy (rows, out), made one layer at a
-    time so that only one layer's are held."""
+    time so that only one layer's are held. `layers`: the names to make (`chosen_layers`); None: all."""
     for name, rows, k_in, n_out, calls in linear_shapes(
         config, args.batch_size, args.input_length, args.target_length, merge_cross_kv
     ):
+        if layers is not None and name not in layers:
+            continue
         x = torch.randn(rows, k_in, device=device, dtype=torch.bfloat16)
         w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16)
         dy = torch.randn(rows, n_out, device=device, dtype=torch.bfloat16)
@@ -124,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated layer names or prefixes such as 'encoder' (default: all)")
     args = parser.parse_args(argv)
     config = T5Config.from_preset(args.preset)
-    layers = chosen_layers(args.layers, [name for name, *_ in linear_shapes(config, 1, 1, 1, args.merge_cross_kv)])
+    names = [name for name, *_ in linear_shapes(config, 1, 1, 1, args.merge_cross_kv)]
+    layers = chosen_layers(args.layers, names)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm_shapes.py needs a CUDA GPU (it times cuBLAS)")
     device = torch.device("cuda")
@@ -134,9 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| layer | pass | (M x K) @ (K x N) | ms | TFLOP/s | of ceiling | per step | ms/step{tuned_cols} |")
     print("|---|---|---|---|---|---|---|---|" + "---|---|---|" * args.inductor)
     total_ms = total_flop = total_saved = 0.0
-    for name, calls, x, w, dy in step_layer_operands(config, args, device, args.merge_cross_kv):
-        if name not in layers:
-            continue
+    for name, calls, x, w, dy in step_layer_operands(config, args, device, args.merge_cross_kv, layers):
         passes = autograd_passes(x, w, dy)
         for label, a, b in passes:
             (m, k), n = a.shape, b.shape[1]
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                 row += f" {tuned_ms:.4f} | {2 * m * k * n / tuned_ms / 1e9:.0f} | {(ms - tuned_ms) * calls:.2f} |"
             print(row)
         del x, w, dy, passes, a, b
-    what = "linear layers" if args.layers is None else "these layers"
+    what = "linear layers" if layers == names else "these layers"
     print(f"# {what}: {total_ms:.1f} ms per step at {total_flop / total_ms / 1e9:.0f} TFLOP/s "
           f"({total_flop / total_ms / 1e9 / ceiling:.0%} of the ceiling); at the ceiling: "
           f"{total_flop / ceiling / 1e9:.1f} ms")  # fmt: skip

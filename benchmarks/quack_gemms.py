@@ -158,9 +158,7 @@ def gemm_part(args, quack_gemm) -> None:
     print("|---|---|---|---|---|---|---|---|")
     totals = {"cuBLAS": 0.0, "QuACK": 0.0, "best": 0.0}
     quack = functools.partial(quack_gemm, tuned=args.tuned, split_k=None if args.split_k == "auto" else 1)
-    for name, calls, x, w, dy in step_layer_operands(config, args, device):
-        if name not in args.layers:
-            continue
+    for name, calls, x, w, dy in step_layer_operands(config, args, device, layers=args.layers):
         for label, a, b in autograd_passes(x, w, dy):
             if label not in args.passes:
                 continue

@@ -24,6 +24,7 @@ step's 12 encoder layers.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import median_cuda_ms  # noqa: E402
+from benchmarks.gemm_shapes import autograd_passes  # noqa: E402
 from benchmarks.options import comma_choices  # noqa: E402
 
 # The GEMMs of an encoder layer's backward that follow its attention kernels, in the order autograd
@@ -70,8 +72,9 @@ def gemm_calls(rows: int, d_model: int, d_ff: int, groups, device, dtype=torch.b
         x = torch.randn(rows, n_in, device=device, dtype=dtype)
         w = torch.randn(n_out, n_in, device=device, dtype=dtype)
         dy = torch.randn(rows, n_out, device=device, dtype=dtype)
-        calls.append(lambda: dy @ w)  # input gradient
-        calls.append(lambda: dy.T @ x)  # weight gradient
+        for label, a, b in autograd_passes(x, w, dy):
+            if label != "forward":  # the input gradient, then the weight gradient
+                calls.append(functools.partial(torch.matmul, a, b))
 
     for group in groups:
         if group == "qkv":

@@ -305,6 +305,21 @@ def test_gemm_benchmarks_choose_layers_by_name_or_prefix():
         chosen_layers("decoder wo,cross q", names)
 
 
+def test_step_layer_operands_makes_only_the_chosen_layers():
+    """The GEMM benchmarks hand their `--layers` choice to `step_layer_operands`, which then makes the
+    operands of those layers alone, with the shapes it makes when it makes them all."""
+    from benchmarks.gemm_shapes import step_layer_operands, step_shape_parser
+    from training.model import T5Config
+
+    config = T5Config.from_preset("tiny")
+    args = step_shape_parser("").parse_args(["--batch-size", "2", "--input-length", "16", "--target-length", "8"])
+    every = {name: (x.shape, w.shape, dy.shape) for name, _, x, w, dy in step_layer_operands(config, args, "cpu")}
+    chosen = [*every][1::3]
+    made = step_layer_operands(config, args, "cpu", layers=chosen)
+    assert {name: (x.shape, w.shape, dy.shape) for name, _, x, w, dy in made} == {name: every[name] for name in chosen}
+    assert 0 < len(chosen) < len(every)
+
+
 def test_benchmark_comma_lists_are_checked_against_their_choices():
     from benchmarks.options import comma_choices
 
