@@ -38,7 +38,8 @@ gradient is first summed per key - query offset, the gradient of T5's relative r
 
 `--kernels` also prints, under each row, the GPU ms per call of every kernel of forward + backward.
 `--far-tiles fwd` (or `fwd,dkdv`, ...; default: the model's, none) sets which of our kernels skip the
-bias loads of tiles beyond T5's saturation distance.
+bias loads of tiles beyond T5's saturation distance. `--ds-sum far` (or `kernel`, `torch`; default:
+the model's) sets who sums the stored dS over the batch for the bias gradient.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from training.model.attention import (  # noqa: E402
     relative_position_bucket,
 )
 from training.model.cudnn_attention import head_views  # noqa: E402
+from training.model.triton_bias_grad import diagonal_sums  # noqa: E402
 
 BACKENDS = ("triton", "triton-rel", "triton-nobias", "triton-split", "cudnn", "sdpa-cudnn", "sdpa-efficient", "sdpa-flash")
 SHAPES = {  # name -> (query length, key length, causal, has a bias)
@@ -198,7 +200,7 @@ def rel_err(x, ref) -> str:
     if x is None or ref is None or ref.numel() == 0:
         return "-"
     if x.dim() != ref.dim():  # a dense bias gradient and a relative row's: the dense one summed per offset
-        x, ref = (ta.diagonal_sums(t.float()) if t.dim() == 3 else t for t in (x, ref))
+        x, ref = (diagonal_sums(t.float()) if t.dim() == 3 else t for t in (x, ref))
     return f"{(x.float() - ref.float()).norm().item() / max(ref.float().norm().item(), 1e-30):.1e}"
 
 
@@ -213,6 +215,8 @@ def main() -> None:
     parser.add_argument("--far-tiles", default=",".join(ta.FAR_TILES) or "none",
                         help=f"the triton kernels that skip far tiles' bias loads (triton_attention.FAR_TILES): "
                              f"a comma list of {', '.join(ta.FAR_TILE_KERNELS)}, or none")  # fmt: skip
+    parser.add_argument("--ds-sum", default=ta.DS_SUM, choices=ta.DS_SUMS,
+                        help="who sums the stored dS over the batch for the bias gradient (triton_attention.DS_SUM)")  # fmt: skip
     args = parser.parse_args()
     shapes = comma_choices(args.shapes, list(SHAPES), "--shapes", "shape")
     backends = comma_choices(args.backends, BACKENDS, "--backends", "backend")
@@ -224,14 +228,14 @@ def main() -> None:
     cudnn_version = torch.backends.cudnn.version()
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | cuDNN {cudnn_version} | "
           f"batch {args.batch_size}, {args.heads} heads, d_kv {args.d_kv}, bf16, "
-          f"far tiles in {'+'.join(far_tiles) or 'no kernel'}")  # fmt: skip
+          f"far tiles in {'+'.join(far_tiles) or 'no kernel'}, dS summed by {args.ds_sum}")  # fmt: skip
     print(TABLE_HEAD)
-    defaults = ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.FAR_TILES  # run_model_path sets the first two per row
-    ta.FAR_TILES = far_tiles
+    defaults = ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.FAR_TILES, ta.DS_SUM  # run_model_path sets the first two per row
+    ta.FAR_TILES, ta.DS_SUM = far_tiles, args.ds_sum
     try:
         run_table(args, shapes, backends)
     finally:
-        ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.FAR_TILES = defaults
+        ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.FAR_TILES, ta.DS_SUM = defaults
 
 
 def add_case_options(parser: argparse.ArgumentParser) -> None:

@@ -89,12 +89,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/stream_overlap.py times CUDA streams: it needs a CUDA GPU")
-    from training.model import triton_attention
+    from training.model import triton_bias_grad
 
     dev = torch.device("cuda")
     ds = torch.randn(args.batch, args.heads, args.seq, args.seq, device=dev, dtype=torch.bfloat16)
     if args.sum == "kernel":
-        batch_sum = lambda: triton_attention._ds_batch_sum(ds, lambda k: k)  # noqa: E731
+        batch_sum = lambda: triton_bias_grad.batch_sum(ds, lambda k: k)  # noqa: E731
     else:
         batch_sum = lambda: ds.sum(0, dtype=torch.float32)  # noqa: E731
     gemms = gemm_calls(args.batch * args.seq, args.d_model, args.d_ff, args.gemms, dev)

@@ -31,7 +31,7 @@ PARTS = (  # (the norm's and the GELU's kernels before attention's: their names 
     ("residual add + RMS norm (ours)", ("_add_rms_norm",)),
     ("gated GELU (ours)", ("_gated_gelu",)),
     ("attention (ours)", ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_bwd_dq_from_ds_kernel",
-                          "_bwd_one_block_kernel", "_ds_batch_sum_kernel", "_delta_kernel", "_rel_grad_reduce_kernel",
+                          "_bwd_one_block_kernel", "_ds_batch_sum_kernel", "_ds_batch_sum_far_kernel", "_far_region_sums_kernel", "_delta_kernel", "_rel_grad_reduce_kernel",
                           "_bwd_dbias_kernel")),
     ("torch's foreach / multi-tensor kernels", ("multi_tensor", "foreach")),
     ("inductor's kernels (norms, casts, loss, optimizer, ...)", ("triton_",)),

@@ -24,6 +24,7 @@ import torch
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model import triton_add_norm as tn
 from training.model import triton_attention as ta
+from training.model import triton_bias_grad as bg
 from training.model import triton_gated_gelu as tg
 from training.model.attention import (
     _math_attention,
@@ -304,9 +305,42 @@ def check_ds_batch_sum() -> None:
     for shape in [(5, 2, 24, 40), (3, 1, 7, 9)]:
         for dtype in (torch.float32, torch.bfloat16):
             ds = torch.randn(shape).to(dtype)
-            got = ta._ds_batch_sum(ds, lambda kernel: kernel)
+            got = bg.batch_sum(ds, lambda kernel: kernel)
             assert got.dtype == torch.float32 and got.shape == shape[1:]
             _check(f"dS summed over the batch {shape} {dtype}", got, ds.float().sum(0), 1e-6)
+    _check_ds_batch_sum_far()
+
+
+def _far_regions(sq: int, sk: int, far: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean (sq, sk) masks of the keys >= query + far and of the keys <= query - far."""
+    offset = torch.arange(sk)[None, :] - torch.arange(sq)[:, None]
+    return offset >= far, offset <= -far
+
+
+def _check_ds_batch_sum_far() -> None:
+    """DS_SUM "far" (`_ds_batch_sum_far_kernel`, the test's ROWS 4 and COLS 8): given dS whose rows sum
+    to 0, as the backward's do, the sums over each far region and every element outside the blocks it
+    skips equal the whole sum's; rows that straddle the middle, a partial last row block and key block.
+    Given rows that do not sum to 0 the far regions' sums differ: the kernel did not read them all.
+    Small integers: every sum is exact, in bf16 too."""
+    for (b, h, sq, sk), far in [((5, 2, 40, 40), 6), ((3, 1, 37, 37), 5)]:
+        ds = torch.randint(-3, 4, (b, h, sq, sk)).float()
+        ds[..., 0] -= ds.sum(-1)  # each row sums to 0
+        right, left = _far_regions(sq, sk, far)
+        band = ~(right | left)
+        for dtype in (torch.float32, torch.bfloat16):
+            full = ds.sum(0)
+            got = bg.batch_sum(ds.to(dtype), lambda kernel: kernel, far)
+            tag = f"dS batch sum over far regions {(b, h, sq, sk)} far {far} {str(dtype)[6:]}"
+            if not ((got != full) & (right | left)).any():
+                raise SystemExit(f"MISMATCH: {tag}: no block was skipped")
+            _check(f"{tag}: band", got[:, band], full[:, band], 1e-6)
+            for name, region in (("right", right), ("left", left)):
+                _check(f"{tag}: {name} far region per row", (got * region).sum(-1), (full * region).sum(-1), 1e-6)
+        ds[..., 1] += 1  # rows that do not sum to 0: the skipped keys show
+        got = bg.batch_sum(ds, lambda kernel: kernel, far)
+        if torch.equal((got * (right | left)).sum(-1), (ds.sum(0) * (right | left)).sum(-1)):
+            raise SystemExit(f"MISMATCH: {tag}: rows that do not sum to 0 gave the right far sums")
 
 
 def check_gated_gelu() -> None:
@@ -466,6 +500,7 @@ def check_model() -> None:
     default_far = ta.FAR_TILES
     default_relative = ta.RELATIVE_BIAS
     cases = [(*paths, False, False) for paths in BACKWARD_PATHS + [("ds", "stored_bias", "kernel", False)]]
+    cases.append(("ds", "stored_bias", "far", False, False, False))  # the encoder's far regions' row sums
     cases.append(("ds", "recompute", "kernel", False, True, False))
     cases.append(("ds", "stored_bias", "kernel", True, False, True))  # the kernels given the relative bias
     for dbias_path, dq_path, ds_sum, one_block, far_tiles, relative in cases:

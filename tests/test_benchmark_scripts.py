@@ -142,11 +142,11 @@ def test_model_benchmark_variant_items_parse():
     labels = {item: variant_label(parse_variant(item, args)) for item in
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "torchnorm", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic", "enctiles", "densebias" if ta.RELATIVE_BIAS else "relbias",
-               "dssumtorch" if ta.DS_SUM == "kernel" else "dssumkernel", "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock", "regional", "nopdl", "quackffn",
+               *[f"dssum{how}" for how in ta.DS_SUMS if how != ta.DS_SUM], "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock", "regional", "nopdl", "quackffn",
                *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
-    assert {parse_variant(item, args)["ds_sum"] for item in ("dssumkernel", "dssumtorch")} == set(ta.DS_SUMS)
+    assert {parse_variant(item, args)["ds_sum"] for item in ("dssumkernel", "dssumfar", "dssumtorch")} == set(ta.DS_SUMS)
     assert {parse_variant(item, args)["dq"] for item in DQ_ITEMS} == set(ta.DQ_PATHS)
     assert all(parse_variant(item, args)["dq"] == path for item, path in DQ_ITEMS.items())
     with pytest.raises(SystemExit, match="fast"):
@@ -199,7 +199,8 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/attention_fa4.py", "needs a Hopper GPU (sm90)"),
                          ("benchmarks/quack_gemms.py", "needs a Hopper (sm90) or newer GPU"),
                          ("benchmarks/quack_norm_epilogue.py", "needs a Hopper (sm90) or newer GPU"),
-                         ("benchmarks/stream_overlap.py", "needs a CUDA GPU")):
+                         ("benchmarks/stream_overlap.py", "needs a CUDA GPU"),
+                         ("benchmarks/ds_batch_sum.py", "needs triton and a CUDA GPU")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
@@ -598,3 +599,31 @@ def test_convergence_script_on_cpu(shards, tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"done: a seed 1: held-out loss {rows[('a', 1)]['final_eval_loss']:.4f} at step 4" in again.stdout
     assert len(list((out / "a_seed1").glob("metrics.cut_short.*.jsonl"))) == 1
+
+
+def test_ds_batch_sum_region_error_sees_every_region_and_the_band():
+    """benchmarks/ds_batch_sum.py's check of the far sum: 0 for a result with each far region's row
+    sum moved to one key, and not 0 when a far region's sum, or one band element, is off."""
+    from benchmarks.ds_batch_sum import region_error
+
+    torch.manual_seed(0)
+    sq, far = 12, 4
+    whole = torch.randn(2, sq, sq, dtype=torch.float64)
+    offset = torch.arange(sq)[None, :] - torch.arange(sq)[:, None]
+    right, left = offset >= far, offset <= -far
+    moved = whole.clone()
+    for region, key in ((right, sq - 1), (left, 0)):
+        sums = (whole * region).sum(-1)
+        moved[region.expand_as(moved)] = 0
+        rows = region[:, key]
+        moved[:, rows, key] = sums[:, rows]
+    assert not torch.equal(moved, whole)
+    assert region_error(moved, whole, far) < 1e-12
+    for region, key in ((right, sq - 1), (left, 0)):  # a far region's sum off
+        row = int(region[:, key].nonzero()[0])
+        off = moved.clone()
+        off[1, row, key] += 1.0
+        assert region_error(off, whole, far) > 1e-3
+    off = moved.clone()
+    off[0, 5, 5] += 1.0  # the diagonal: in the band
+    assert region_error(off, whole, far) > 1e-3

@@ -29,6 +29,9 @@ SMALL_TILES = {
     "T5DS_ATTN_DBIAS_BN": "16",
     "T5DS_ATTN_DS_SUM_BLOCK": "64",
     "T5DS_ATTN_DS_SUM_BLOCK_B": "2",
+    "T5DS_ATTN_DS_FAR_ROWS": "4",
+    "T5DS_ATTN_DS_FAR_COLS": "8",
+    "T5DS_ATTN_DS_FAR_BLOCK_B": "2",
     "T5DS_ATTN_DELTA_BM": "16",
 }
 
@@ -79,6 +82,8 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     assert proc.stdout.count("relative bias gradient, summed in the dQ kernel") == 5
     assert proc.stdout.count("relative bias gradient, summed densely") == 9
     assert proc.stdout.count("dS summed over the batch") == 4  # 2 shapes x 2 dtypes
+    assert proc.stdout.count("dS batch sum over far regions") == 12  # 2 shapes x 2 dtypes x 3 checks
+    assert "tiny T5 loss, triton attention (bias gradient path ds, dQ stored_bias, dS summed by far)" in proc.stdout
     assert proc.stdout.count("FFN epilogue") == 6  # 2 kernel pairs x 3 tensors
     assert proc.stdout.count("with and without far tiles") == 27  # 3 shapes x 3 paths x 3 tensors
     for read_in in ("fp16", "fp32"):  # the bias in either dtype for bf16 inputs: 3 shapes x 4 tensors
@@ -158,16 +163,21 @@ def test_launch_settings_digest_every_setting_the_launchers_read(monkeypatch):
     switch and tile the launchers read and with their source, and stay the same from process to
     process (warm caches still hit)."""
     from training.model import triton_attention as ta
+    from training.model import triton_bias_grad as bg
 
     base = ta.launch_settings()
     changes = [("DQ_PATH", "recompute"), ("DBIAS_PATH", "atomic"), ("DS_SUM", "torch"), ("FAR_TILES", () if ta.FAR_TILES else ("fwd",)),
                ("ONE_BLOCK_BWD", not ta.ONE_BLOCK_BWD), ("RELATIVE_BIAS", not ta.RELATIVE_BIAS),
                ("BIAS_HALF", not ta.BIAS_HALF),
-               ("DS_SUM_BLOCK", 512), ("DELTA_BLOCK_M", 32), ("SHORT_QUERIES", 64),
+               ("DELTA_BLOCK_M", 32), ("SHORT_QUERIES", 64),
                ("_SOURCE_DIGEST", "another checkout's launchers and kernels")]  # fmt: skip
     for name, value in changes:
         with monkeypatch.context() as m:
             m.setattr(ta, name, value)
+            assert ta.launch_settings() != base, name
+    for name in ("DS_SUM_BLOCK", "DS_SUM_BLOCK_B", "DS_FAR_ROWS", "DS_FAR_COLS", "DS_FAR_BLOCK_B"):  # the batch sums'
+        with monkeypatch.context() as m:
+            m.setattr(bg, name, getattr(bg, name) * 2)
             assert ta.launch_settings() != base, name
     assert ta.launch_settings() == base
     with monkeypatch.context() as m:

@@ -543,9 +543,9 @@ def test_residual_dtype_autocast_keeps_bf16_hidden_states_under_autocast_only():
 
 @pytest.mark.parametrize("q_len, k_len", [(5, 5), (3, 8), (9, 2), (1, 1)])
 def test_diagonal_sums_are_the_gradient_of_dense_bias(q_len, k_len):
-    """triton_attention.diagonal_sums (how the fused kernel turns a dense bias gradient into a
+    """triton_bias_grad.diagonal_sums (how the fused kernel turns a dense bias gradient into a
     relative row's) equals autograd's gradient through attention.dense_bias."""
-    from training.model.triton_attention import diagonal_sums
+    from training.model.triton_bias_grad import diagonal_sums
 
     torch.manual_seed(0)
     rel = torch.randn(3, q_len + k_len - 1, requires_grad=True)

@@ -12,7 +12,13 @@ from training.model import T5Config, T5ForConditionalGeneration
 from training.model import triton_add_norm as tn
 from training.model import triton_attention as ta
 from training.model import triton_gated_gelu as tg
-from training.model.attention import _math_attention
+from training.model.attention import (
+    _math_attention,
+    bias_saturation_distance,
+    dense_bias,
+    packed_attention,
+    relative_position_bucket,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -301,13 +307,6 @@ def test_add_rms_norm_kernel_matches_torch(dtypes, compiled):
 def test_far_tiles_change_nothing(causal, dtype, monkeypatch):
     """FAR_TILES (every kernel) with T5's own bias at 512 x 512: tiles wholly beyond the saturation distance read
     one element instead of a tile; output and every gradient are the very same as with every tile read."""
-    from training.model.attention import (
-        bias_saturation_distance,
-        dense_bias,
-        packed_attention,
-        relative_position_bucket,
-    )
-
     g = torch.Generator(device="cuda").manual_seed(1)
     b, s, h, d = 4, 512, 12, 64
     far = bias_saturation_distance(not causal)
@@ -326,6 +325,51 @@ def test_far_tiles_change_nothing(causal, dtype, monkeypatch):
         results.append((out.detach(), x.grad, bb.grad))
     for name, dense_tiles, far_tiles in zip(("out", "dqkv", "dbias"), *results):
         assert torch.equal(dense_tiles, far_tiles), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_far_ds_sum_gives_the_bias_table_gradient(dtype, monkeypatch):
+    """DS_SUM "far" with T5's encoder bias at 512 x 512 (padding in one row): it reads about half of dS
+    and fills each row's larger far region from the rows' zero sums, so the dense bias gradient
+    differs per element but the bucket table's gradient is that of the whole sum and of float64 math
+    attention (fp32: 1e-4 of the largest; bf16: as close as the whole sum, within 2e-2)."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    b, s, h, d = 4, 512, 12, 64
+    buckets = relative_position_bucket(torch.arange(-(s - 1), s, device="cuda"), True)
+    table = torch.randn(32, h, device="cuda", generator=g, dtype=torch.float64)
+    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g, dtype=torch.float64)
+    key_mask = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    key_mask[0, 300:] = False
+    dout = torch.randn(b, s, h * d, device="cuda", generator=g, dtype=torch.float64)
+
+    def grads(attention, x, tab):
+        x, tab = x.clone().requires_grad_(), tab.clone().requires_grad_()
+        bias = dense_bias(tab[buckets].t(), s, s)
+        bias.retain_grad()
+        attention(x, bias).backward(dout.to(x.dtype))
+        return bias.grad, tab.grad
+
+    def math(x, bias):
+        q, k, v = (t.unflatten(-1, (h, d)) for t in x.split(h * d, -1))
+        return _math_attention(q, k, v, bias, key_mask, False, 0.0).flatten(2)
+
+    def fused(x, bias):
+        return packed_attention(x, None, h, bias, key_mask, False, "triton", bias_far=bias_saturation_distance(True))
+
+    _, expected = grads(math, qkv, table)
+    results = {}
+    for how in ("kernel", "far"):
+        monkeypatch.setattr(ta, "DS_SUM", how)
+        results[how] = grads(fused, qkv.to(dtype), table.float())
+    assert not torch.equal(results["far"][0], results["kernel"][0])  # the far sum skipped keys
+    again = grads(fused, qkv.to(dtype), table.float())  # "far" again: one fixed order, bit-identical
+    assert all(torch.equal(a, b) for a, b in zip(again, results["far"]))
+    errors = {how: float((tab.double() - expected).abs().max() / expected.abs().max()) for how, (_, tab) in results.items()}
+    print(f"bucket table gradient, largest error of the largest value, {dtype}: {errors}")
+    if dtype == torch.float32:
+        assert errors["far"] < 1e-4, errors
+    else:
+        assert errors["far"] < 2e-2 and errors["far"] < 2 * errors["kernel"] + 1e-3, errors
 
 
 def _kernels_without_assume(tmp_path):
@@ -403,8 +447,6 @@ def test_relative_bias_gradient_equals_the_dense_ones_diagonal_sums(shape, dtype
     """The fused kernel given T5's relative bias row (bias_rel): the same output and q/k/v gradients
     as given its dense expansion, and as the row's gradient the dense gradient summed along each key -
     query offset (summed in the dQ-from-dS kernel at these tiles; autograd's scatter for the dense)."""
-    from training.model.attention import dense_bias, packed_attention
-
     b, s, causal = shape
     h, d = 12, 64
     assert ta.relative_grad_in_kernel(ta.tile_class(causal, True, s))

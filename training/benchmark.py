@@ -17,8 +17,9 @@ compile cache").
 A variant is a comma list of: an attention backend (triton|cudnn|sdpa|flex|math), compile|nocompile,
 fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), dbiaskernel|dbiasatomic (the fused kernel's
 bias gradient from its separate dbias kernel, or by atomic adds from the dQ kernel, instead of the
-dS that the dQ kernel writes; triton_attention.DBIAS_PATH), dssumkernel|dssumtorch (that dS summed over
-the batch by our kernel in a fixed order, or by torch, which inductor fuses with the bias table's
+dS that the dQ kernel writes; triton_attention.DBIAS_PATH), dssumkernel|dssumfar|dssumtorch (that dS
+summed over the batch by our kernel in a fixed order, by the kernel that reads only half of the
+encoder's from the rows' zero sums, or by torch, which inductor fuses with the bias table's
 scatter-add; triton_attention.DS_SUM), dqrecompute|dqstored|dqstoredbias (dQ
 recomputed from P and dP, or computed from the dS that the dK/dV kernel stores, in every attention or
 in those with a bias; triton_attention.DQ_PATH), optcompiled|opteager
@@ -111,7 +112,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["mode"] = item[5:]
         elif item in ("dbiaskernel", "dbiasatomic"):
             variant["dbias"] = item[5:]
-        elif item in ("dssumkernel", "dssumtorch"):
+        elif item in ("dssumkernel", "dssumfar", "dssumtorch"):
             variant["ds_sum"] = item[5:]
         elif item in ("dqrecompute", "dqstored", "dqstoredbias"):
             variant["dq"] = {"dqrecompute": "recompute", "dqstored": "stored", "dqstoredbias": "stored_bias"}[item]

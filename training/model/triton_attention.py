@@ -20,8 +20,9 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
 - `_fwd_kernel`: grid (q blocks, B*H); writes out and the row max / inverse sum (base 2).
 - `_bwd_dkdv_kernel`: grid (k blocks, B*H); dK, dV of one key block, walking the query blocks; with
   `DQ_PATH` "stored" (by default "stored_bias": where there is a bias) it also stores dS (B, H, Sq,
-  Sk) in the input dtype, `_ds_batch_sum_kernel` sums it over the batch for the bias gradient (in a
-  fixed order: `DS_SUM`), and
+  Sk) in the input dtype, `triton_bias_grad.batch_sum` sums it over the batch for the bias gradient
+  (in a fixed order: `DS_SUM`; in the encoder it reads about half of it, taking each row's larger far
+  region from the row's zero sum), and
 - `_bwd_dq_from_ds_kernel`: grid (q blocks, B*H); dQ = dS K from the stored dS (no recomputation);
   given a relative bias (RELATIVE_BIAS) it also sums dS per key - query offset, and
   `_rel_grad_reduce_kernel` (grid (H, offset chunks)) adds those sums up into the bias's gradient.
@@ -51,6 +52,7 @@ from typing import NamedTuple
 
 import torch
 
+from training.model import triton_bias_grad as bias_grad
 from training.model.compile_key import settings_digest, source_digest
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -137,10 +139,6 @@ TILE_TABLES = {
     "ONEBLOCK": ONE_BLOCK_TILES,
 }
 DBIAS_TILES = _tiles("DBIAS", 64, 64, 4, 2)  # the dbias kernel (DBIAS_PATH "kernel"), every class
-# The stored dS's sum over the batch: BLOCK elements of one batch element per program, BLOCK_B batch
-# elements per step.
-DS_SUM_BLOCK = _env_int("T5DS_ATTN_DS_SUM_BLOCK", 1024)
-DS_SUM_BLOCK_B = _env_int("T5DS_ATTN_DS_SUM_BLOCK_B", 8)
 DELTA_BLOCK_M = _env_int("T5DS_ATTN_DELTA_BM", 64)  # query rows per program of rowsum(dO * O)
 
 if _HAS_TRITON:
@@ -153,7 +151,6 @@ if _HAS_TRITON:
         _bwd_dq_kernel,
         _bwd_one_block_kernel,
         _delta_kernel,
-        _ds_batch_sum_kernel,
         _fwd_kernel,
         _rel_grad_reduce_kernel,
     )
@@ -270,9 +267,14 @@ DBIAS_PATH = "ds"
 # the bias table's scatter-add. Under deterministic algorithms inductor no longer autotunes that
 # reduction, and its fixed choice took 8.4 ms a step instead of 3.2; the kernel takes 3.6 ms in
 # either mode, the same step time by default and 6 ms less per step under deterministic algorithms
-# (T5 base, H100, docs/model_speed.md). Benchmark variants `dssumkernel`, `dssumtorch`.
-DS_SUMS = ("kernel", "torch")
-DS_SUM = "kernel"
+# (T5 base, H100, docs/model_speed.md). "far" = `triton_bias_grad.batch_sum` given `far` where the
+# caller promises a bias that is one value per head beyond a distance (`far` > 0: T5's) and the
+# attention is not causal (the encoder), "kernel" elsewhere: each row of dS sums to 0, so the sum of each row's larger
+# far region is minus that of the rest of the row, and about half of dS is never read. The gradient
+# is then exact per region of one bias value, not per element, which is all T5's bucket gather
+# needs (thirty-seventh session). Benchmark variants `dssumkernel`, `dssumfar`, `dssumtorch`.
+DS_SUMS = ("kernel", "far", "torch")
+DS_SUM = "far"
 # dQ: "recompute" = the dQ kernel recomputes P and dP = dO V^T per tile (FlashAttention-2's two
 # kernels); "stored" = the dK/dV kernel stores dS (B, H, SQ, SK) in the input dtype and
 # `_bwd_dq_from_ds_kernel` computes dQ = dS K from it (no recomputation; one batch-sized buffer for
@@ -291,10 +293,10 @@ DQ_PATH = "stored_bias"
 # tiles (DQDS_TILES), `_bwd_dq_from_ds_kernel` sums each dS tile along its offsets (two gathers and a
 # sum over the rows) as it reads it for dQ, and `_rel_grad_reduce_kernel` adds the sums up, so the
 # stored dS is not read a second time by the batch sum; otherwise the dense gradient is computed and
-# summed along its diagonals (`diagonal_sums`). RELATIVE_BIAS: whether `packed_attention` hands the
-# kernel the relative bias when the caller has it (benchmark variant `relbias`), or the dense one
-# (`densebias`): the dense gradient per layer, which autograd sums over the layers and scatters onto
-# the bias table. Off: the sums cost more in the dQ kernel than the second read of dS they save (an
+# summed along its diagonals (`triton_bias_grad.diagonal_sums`). RELATIVE_BIAS: whether
+# `packed_attention` hands the kernel the relative bias when the caller has it (benchmark variant
+# `relbias`), or the dense one (`densebias`): the dense gradient per layer, which autograd sums over
+# the layers and scatters onto the bias table. Off: the sums cost more in the dQ kernel than the second read of dS they save (an
 # encoder layer's backward 1.75 ms against 1.63, eighteenth session, docs/model_speed.md).
 RELATIVE_BIAS = False
 # Attention whose queries fit one tile (at most ONE_BLOCK_TILES[class].block_m rows: T5's 114
@@ -413,7 +415,10 @@ def _launch_bwd(
     if not flags["HAS_BIAS"]:
         dbias = torch.zeros_like(bias)
     elif ds_mode == 1:
-        dbias = _ds_batch_sum(ds, wrap) if DS_SUM == "kernel" else ds.sum(0, dtype=torch.float32)
+        if DS_SUM == "torch":
+            dbias = ds.sum(0, dtype=torch.float32)
+        else:
+            dbias = bias_grad.batch_sum(ds, wrap, far if DS_SUM == "far" and not causal and bias.dim() == 3 else 0)
     elif ds_mode == 2:
         dbias = ds
     else:
@@ -425,7 +430,7 @@ def _launch_bwd(
             B, H, SQ, SK, SK - SQ, B * H * SQ, HAS_MASK=flags["HAS_MASK"], CAUSAL=causal, IEEE=flags["IEEE"], D=D,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
         )  # fmt: skip
-    return dq_src, dkv_src, diagonal_sums(dbias) if relative else dbias
+    return dq_src, dkv_src, bias_grad.diagonal_sums(dbias) if relative else dbias
 
 
 def one_block_applies(tile_key: str, queries: int, has_bias: bool) -> bool:
@@ -443,28 +448,9 @@ def one_block_applies(tile_key: str, queries: int, has_bias: bool) -> bool:
 
 def relative_grad_in_kernel(tile_key: str) -> bool:
     """Whether a relative bias's gradient is summed by the dQ-from-dS kernel (square tiles) for the
-    attentions of this TILE_CLASSES key, when dQ comes from the stored dS; else `diagonal_sums`."""
+    attentions of this TILE_CLASSES key, when dQ comes from the stored dS; else
+    `triton_bias_grad.diagonal_sums`."""
     return DQDS_TILES[tile_key].block_m == DQDS_TILES[tile_key].block_n
-
-
-def diagonal_sums(dense: torch.Tensor) -> torch.Tensor:
-    """(H, SQ, SK) -> (H, SQ + SK - 1): out[h, k - q + SQ - 1] = sum of dense[h, q, k] over the (q, k)
-    with that offset, in a fixed order (the gradient of `attention.dense_bias`'s input, without the
-    scatter-add that is not deterministic on CUDA). Row q is shifted right by SQ - 1 - q: rows flipped,
-    padded by SQ, flattened and re-cut at width SQ + SK - 1, each lands q' = SQ - 1 - q places on."""
-    H, SQ, SK = dense.shape
-    skewed = torch.nn.functional.pad(dense.flip(1), (0, SQ)).flatten(1)[:, : SQ * (SQ + SK - 1)]
-    return skewed.view(H, SQ, SQ + SK - 1).sum(1)
-
-
-def _ds_batch_sum(ds: torch.Tensor, wrap) -> torch.Tensor:
-    """(B, H, SQ, SK) dS -> its fp32 sum over the batch, (H, SQ, SK), in a fixed order."""
-    dbias = torch.empty(ds.shape[1:], dtype=torch.float32, device=ds.device)
-    n = dbias.numel()
-    wrap(_ds_batch_sum_kernel)[(triton.cdiv(n, DS_SUM_BLOCK),)](
-        ds, dbias, ds.shape[0], n, BLOCK_B=DS_SUM_BLOCK_B, BLOCK=DS_SUM_BLOCK, num_warps=4
-    )
-    return dbias
 
 
 if _HAS_TRITON and hasattr(torch.library, "triton_op"):
@@ -541,7 +527,9 @@ elif _HAS_TRITON:  # older torch: a plain autograd.Function (graph break under t
 
 
 # What the launchers do and launch: part of launch_settings().
-_SOURCE_DIGEST = source_digest(Path(__file__), Path(__file__).with_name("triton_attention_kernels.py"))
+_SOURCE_DIGEST = source_digest(
+    *(Path(__file__).with_name(name) for name in ("triton_attention.py", "triton_attention_kernels.py", "triton_bias_grad.py"))
+)
 
 
 @torch.compiler.assume_constant_result
@@ -556,7 +544,7 @@ def launch_settings() -> str:
     return settings_digest(
         _SOURCE_DIGEST,
         DBIAS_PATH, DQ_PATH, DS_SUM, RELATIVE_BIAS, ONE_BLOCK_BWD, FAR_TILES, BIAS_HALF, SHORT_QUERIES, TILE_TABLES,
-        DBIAS_TILES, DS_SUM_BLOCK, DS_SUM_BLOCK_B, DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
+        DBIAS_TILES, bias_grad.batch_sum_settings(), DELTA_BLOCK_M, REL_GRAD_BLOCK_B,
     )  # fmt: skip
 
 

@@ -456,6 +456,73 @@ def _ds_batch_sum_kernel(DS, DBIAS, B, N, BLOCK_B: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def _far_read_range(rb, SQ, SK, FAR, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The keys [lo, hi) of row block rb that `_ds_batch_sum_far_kernel` reads (whole COLS blocks): the
+    blocks before lo or from hi on lie wholly in each of the block's rows' larger far region (keys >=
+    row + FAR in the first half of the rows, keys <= row - FAR in the second; none for a block that
+    straddles the middle)."""
+    r0 = rb * ROWS
+    r_last = tl.minimum(r0 + ROWS, SQ) - 1
+    mid = (SK - 1) // 2
+    lo = tl.where(r0 > mid, tl.maximum(r0 - FAR + 1, 0) // COLS * COLS, 0)
+    hi = tl.where(r_last <= mid, tl.minimum(tl.cdiv(r_last + FAR, COLS) * COLS, SK), SK)
+    return lo, hi
+
+
+@triton.jit
+def _ds_batch_sum_far_kernel(DS, DBIAS, B, H, SQ, SK, FAR, COL_BLOCKS, BLOCK_B: tl.constexpr, ROWS: tl.constexpr,
+                             COLS: tl.constexpr):
+    """`_ds_batch_sum_kernel` for a bias that is one value per head wherever key - query >= FAR and
+    wherever query - key >= FAR (T5's encoder, not causal), reading about half of dS.
+
+    Each row of dS sums to 0 over its keys (sum_k P (dP - delta) = delta - delta; masked keys 0), so
+    each row of its batch sum does too. A row's larger far region takes one bias value, whose gradient
+    is that region's sum: minus the sum of the rest of the row. A program sums one (ROWS, COLS) block
+    over the batch (BLOCK_B elements per step, always in the same order), or writes 0 for a block
+    wholly inside its rows' larger far regions (`_far_read_range`) without reading it; then
+    `_far_region_sums_kernel` writes each such region's sum at its outermost key. The result is exact
+    per region of one bias value, not per element. Grid (row blocks * COL_BLOCKS, H)."""
+    rb = tl.program_id(0) // COL_BLOCKS
+    c0 = tl.program_id(0) % COL_BLOCKS * COLS
+    h = tl.program_id(1)
+    lo, hi = _far_read_range(rb, SQ, SK, FAR, ROWS, COLS)
+    rows = rb * ROWS + tl.arange(0, ROWS)
+    cols = c0 + tl.arange(0, COLS)
+    inside = (rows < SQ)[:, None] & (cols < SK)[None, :]
+    offs = (h * SQ + rows).to(tl.int64)[:, None] * SK + cols[None, :]
+    acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    if (c0 >= lo) & (c0 < hi):
+        batch = tl.arange(0, BLOCK_B)
+        for b0 in range(0, B, BLOCK_B):
+            b = b0 + batch
+            x = tl.load(DS + (b.to(tl.int64) * H * SQ * SK)[:, None, None] + offs[None, :, :],
+                        mask=(b < B)[:, None, None] & inside[None, :, :], other=0.0)
+            acc += tl.sum(x.to(tl.float32), axis=0)
+    tl.store(DBIAS + offs, acc, mask=inside)
+
+
+@triton.jit
+def _far_region_sums_kernel(DBIAS, SQ, SK, FAR, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """After `_ds_batch_sum_far_kernel`: for each row of a block that skipped keys, the sum over its
+    skipped keys, which is minus the sum over the keys it read, written at the skipped region's
+    outermost key (key 0 for the left region, SK - 1 for the right one; written 0 before). Grid (row
+    blocks, H)."""
+    rb = tl.program_id(0)
+    h = tl.program_id(1)
+    lo, hi = _far_read_range(rb, SQ, SK, FAR, ROWS, COLS)
+    rows = rb * ROWS + tl.arange(0, ROWS)
+    row_offs = (h * SQ + rows).to(tl.int64) * SK
+    if (lo > 0) | (hi < SK):
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        for c0 in range(lo, hi, COLS):
+            cols = c0 + tl.arange(0, COLS)
+            x = tl.load(DBIAS + row_offs[:, None] + cols[None, :], mask=(rows < SQ)[:, None] & (cols < hi)[None, :],
+                        other=0.0)
+            total += tl.sum(x, axis=1)
+        tl.store(DBIAS + row_offs + tl.where(lo > 0, 0, SK - 1), -total, mask=rows < SQ)
+
+
+@triton.jit
 def _delta_kernel(DO, OUT, DELTA, sdob, sdos, sob, sos, H, SQ, D: tl.constexpr, BLOCK_M: tl.constexpr,
                   EVEN_M: tl.constexpr):
     """DELTA[b, h, m] = sum over d of dO * O (fp32) for one query block of one (batch, head): the
