@@ -27,12 +27,17 @@ from training.model import triton_bias_grad as bg  # noqa: E402
 from training.model.attention import bias_saturation_distance  # noqa: E402
 
 
+def far_regions(sq: int, sk: int, far: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean (sq, sk) masks of the keys >= query + far and of the keys <= query - far: where T5's
+    bias saturates, each a region of one bias value per head."""
+    offset = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None]
+    return offset >= far, offset <= -far
+
+
 def region_error(got: torch.Tensor, whole: torch.Tensor, far: int) -> float:
     """Largest difference of the far regions' row sums and of the band's elements, over the largest
     row sum of |whole|."""
-    sq, sk = whole.shape[-2:]
-    offset = torch.arange(sk, device=whole.device)[None, :] - torch.arange(sq, device=whole.device)[:, None]
-    right, left = offset >= far, offset <= -far
+    right, left = far_regions(*whole.shape[-2:], far, whole.device)
     band = ~(right | left)
     scale = (whole.abs().sum(-1)).max()
     diffs = [((got - whole) * region).sum(-1).abs().max() for region in (right, left)]

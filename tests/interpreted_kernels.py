@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from benchmarks.ds_batch_sum import far_regions
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model import triton_add_norm as tn
 from training.model import triton_attention as ta
@@ -311,12 +312,6 @@ def check_ds_batch_sum() -> None:
     _check_ds_batch_sum_far()
 
 
-def _far_regions(sq: int, sk: int, far: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Boolean (sq, sk) masks of the keys >= query + far and of the keys <= query - far."""
-    offset = torch.arange(sk)[None, :] - torch.arange(sq)[:, None]
-    return offset >= far, offset <= -far
-
-
 def _check_ds_batch_sum_far() -> None:
     """DS_SUM "far" (`_ds_batch_sum_far_kernel`, the test's ROWS 4 and COLS 8): given dS whose rows sum
     to 0, as the backward's do, the sums over each far region and every element outside the blocks it
@@ -326,7 +321,7 @@ def _check_ds_batch_sum_far() -> None:
     for (b, h, sq, sk), far in [((5, 2, 40, 40), 6), ((3, 1, 37, 37), 5)]:
         ds = torch.randint(-3, 4, (b, h, sq, sk)).float()
         ds[..., 0] -= ds.sum(-1)  # each row sums to 0
-        right, left = _far_regions(sq, sk, far)
+        right, left = far_regions(sq, sk, far)
         band = ~(right | left)
         for dtype in (torch.float32, torch.bfloat16):
             full = ds.sum(0)

@@ -604,13 +604,13 @@ def test_convergence_script_on_cpu(shards, tmp_path):
 def test_ds_batch_sum_region_error_sees_every_region_and_the_band():
     """benchmarks/ds_batch_sum.py's check of the far sum: 0 for a result with each far region's row
     sum moved to one key, and not 0 when a far region's sum, or one band element, is off."""
-    from benchmarks.ds_batch_sum import region_error
+    from benchmarks.ds_batch_sum import far_regions, region_error
 
     torch.manual_seed(0)
     sq, far = 12, 4
     whole = torch.randn(2, sq, sq, dtype=torch.float64)
-    offset = torch.arange(sq)[None, :] - torch.arange(sq)[:, None]
-    right, left = offset >= far, offset <= -far
+    right, left = far_regions(sq, sq, far)
+    assert right[0, far] and not right[0, far - 1] and left[far, 0] and not left[far - 1, 0]
     moved = whole.clone()
     for region, key in ((right, sq - 1), (left, 0)):
         sums = (whole * region).sum(-1)

@@ -269,10 +269,11 @@ DBIAS_PATH = "ds"
 # either mode, the same step time by default and 6 ms less per step under deterministic algorithms
 # (T5 base, H100, docs/model_speed.md). "far" = `triton_bias_grad.batch_sum` given `far` where the
 # caller promises a bias that is one value per head beyond a distance (`far` > 0: T5's) and the
-# attention is not causal (the encoder), "kernel" elsewhere: each row of dS sums to 0, so the sum of each row's larger
-# far region is minus that of the rest of the row, and about half of dS is never read. The gradient
-# is then exact per region of one bias value, not per element, which is all T5's bucket gather
-# needs (thirty-seventh session). Benchmark variants `dssumkernel`, `dssumfar`, `dssumtorch`.
+# attention is not causal (the encoder), "kernel" elsewhere: each row of dS sums to 0, so the sum of
+# each row's larger far region is minus that of the rest of the row, and about half of dS is never
+# read. The gradient is then exact per region of one bias value, not per element, which is all T5's
+# bucket gather needs (thirty-seventh session). Benchmark variants `dssumkernel`, `dssumfar`,
+# `dssumtorch`.
 DS_SUMS = ("kernel", "far", "torch")
 DS_SUM = "far"
 # dQ: "recompute" = the dQ kernel recomputes P and dP = dO V^T per tile (FlashAttention-2's two
@@ -296,8 +297,9 @@ DQ_PATH = "stored_bias"
 # summed along its diagonals (`triton_bias_grad.diagonal_sums`). RELATIVE_BIAS: whether
 # `packed_attention` hands the kernel the relative bias when the caller has it (benchmark variant
 # `relbias`), or the dense one (`densebias`): the dense gradient per layer, which autograd sums over
-# the layers and scatters onto the bias table. Off: the sums cost more in the dQ kernel than the second read of dS they save (an
-# encoder layer's backward 1.75 ms against 1.63, eighteenth session, docs/model_speed.md).
+# the layers and scatters onto the bias table. Off: the sums cost more in the dQ kernel than the
+# second read of dS they save (an encoder layer's backward 1.75 ms against 1.63, eighteenth session,
+# docs/model_speed.md).
 RELATIVE_BIAS = False
 # Attention whose queries fit one tile (at most ONE_BLOCK_TILES[class].block_m rows: T5's 114
 # targets, in the decoder's self-attention and the cross-attention) runs its backward as one kernel
