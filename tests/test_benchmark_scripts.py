@@ -113,13 +113,14 @@ def test_model_benchmark_variant_items_parse():
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
                       "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias,nooneblock,regional,"
-                      "biasfp32,nopdl,quackffn",
+                      "biasfp32,nopdl,quackffn,cublaslt,cdtune",
                       args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True,
                      tiles_per_class=False, triton_add_norm=False, relative_bias=True, one_block=False,
-                     regional=True, bias_half=False, pdl=False, quack_ffn=True)  # fmt: skip
+                     regional=True, bias_half=False, pdl=False, quack_ffn=True, blas="cublaslt",
+                     cd_tuning=True)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert default["triton_add_norm"] and default["relative_bias"] == ta.RELATIVE_BIAS
@@ -130,6 +131,8 @@ def test_model_benchmark_variant_items_parse():
     assert default["bias_half"] == ta.BIAS_HALF and parse_variant("biasfp32,biashalf", args)["bias_half"]
     assert default["pdl"] and parse_variant("nopdl,pdl", args)["pdl"]
     assert not default["quack_ffn"] and not parse_variant("quackffn,cublasffn", args)["quack_ffn"]
+    assert default["blas"] is None and parse_variant("cublaslt,cublas", args)["blas"] == "cublas"
+    assert not default["cd_tuning"]
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
     assert default["tiles_per_class"] and parse_variant("enctiles,classtiles", args)["tiles_per_class"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
@@ -143,7 +146,7 @@ def test_model_benchmark_variant_items_parse():
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "torchnorm", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic", "enctiles", "densebias" if ta.RELATIVE_BIAS else "relbias",
                *[f"dssum{how}" for how in ta.DS_SUMS if how != ta.DS_SUM], "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock", "regional", "nopdl", "quackffn",
-               *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
+               "cublaslt", "cublas", "cdtune", *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     assert {parse_variant(item, args)["ds_sum"] for item in ("dssumkernel", "dssumfar", "dssumtorch")} == set(ta.DS_SUMS)

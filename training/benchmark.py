@@ -44,7 +44,10 @@ or the whole step as one graph as training does at ZeRO 0-2), pdl|nopdl (inducto
 launched with programmatic dependent launch on Hopper or newer, as training compiles the model, or
 without; training.run_setup.compile_options), quackffn|cublasffn (the gated FFN with the GELU in the
 epilogues of QuACK's GEMMs, T5Config.ffn_kernel "quack", needs quack-kernels and sm90+; or cuBLAS
-GEMMs and our GELU kernels). Each variant prints one table row, ending with the
+GEMMs and our GELU kernels), cublaslt|cublas (torch's GEMMs through cuBLASLt or cuBLAS,
+torch.backends.cuda.preferred_blas_library; without either, torch's own choice, cuBLAS on CUDA), cdtune (inductor's
+coordinate-descent tuning of its own kernels' launch settings, `coordinate_descent_tuning`: a longer
+first compile). Each variant prints one table row, ending with the
 loss of the last step and the sum of every parameter after it (two runs of the same variant are
 bit-identical when both are `deterministic`); --json appends one JSON object per variant to a file.
 The attention tiles come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py)
@@ -98,6 +101,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
         deterministic=False, tiles_per_class=True, triton_add_norm=True, relative_bias=RELATIVE_BIAS,
         one_block=ONE_BLOCK_BWD, regional=False, bias_half=BIAS_HALF, pdl=True, quack_ffn=False,
+        blas=None, cd_tuning=False,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -146,6 +150,10 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["quack_ffn"] = item == "quackffn"
         elif item in ("pdl", "nopdl"):
             variant["pdl"] = item == "pdl"
+        elif item in ("cublaslt", "cublas"):
+            variant["blas"] = item
+        elif item == "cdtune":
+            variant["cd_tuning"] = True
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -183,6 +191,8 @@ def variant_label(v: dict) -> str:
     notes += ["regional compile"] if v["regional"] else []
     notes += [] if v["pdl"] else ["no PDL"]
     notes += ["QuACK FFN"] if v["quack_ffn"] else []
+    notes += [v["blas"]] if v["blas"] else []
+    notes += ["coordinate-descent tuning"] if v["cd_tuning"] else []
     return ", ".join([v["attention"], *notes])
 
 
@@ -206,9 +216,12 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     # Per variant, so after the matmul ceiling's first cuBLAS call (set_deterministic asks for before):
     # cuBLAS keeps the workspace it started with, and two deterministic runs were bit-identical anyway.
     set_deterministic(variant["deterministic"])
+    blas = torch.backends.cuda.preferred_blas_library()  # (no argument: returns the setting)
+    torch.backends.cuda.preferred_blas_library(variant["blas"])  # (None: leaves it)
     try:
         return _run_variant(variant, args, device)
     finally:
+        torch.backends.cuda.preferred_blas_library(blas)
         (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.BIAS_HALF,
          triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy) = defaults  # fmt: skip
         for table, tiles in zip(tables, default_tiles):
@@ -239,6 +252,8 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
 
     # as training compiles the model
     options = compile_options(variant["mode"] or "default", pdl=variant["pdl"]) if variant["compile"] else None
+    if options is not None and variant["cd_tuning"]:
+        options["coordinate_descent_tuning"] = True
     if variant["compile"] and variant["regional"]:
         _compile_regions(model, options)
     elif variant["compile"]:
