@@ -164,6 +164,27 @@ def time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def run_error(fn, *args) -> str | None:
+    """Runs `fn(*args)` once and waits for it: None, or what it raised, for the variant's "failed"
+    row (a variant that does not compile is a row too)."""
+    try:
+        fn(*args)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
+def interleaved_ms(calls: dict, rounds: int, iters: int) -> dict[str, list[float]]:
+    """`time_ms` of each of `calls` (name: a function of no arguments), `rounds` times, the calls
+    taking turns within each round so that the machine's drift touches them alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            times[name].append(time_ms(fn, iters))
+    return times
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=128)
@@ -183,31 +204,25 @@ def main(argv: list[str] | None = None) -> None:
     runs = {"model kernel": lambda dkv, ds: run_model_kernel(x, dkv, ds, tiles)}
     for name, modes in VARIANTS.items():
         runs[name] = lambda dkv, ds, modes=modes: run_variant(x, dkv, ds, tiles, modes)
-    times: dict[str, list[float]] = {name: [] for name in runs}
     failed: dict[str, str] = {}
     for name, fn in runs.items():  # results first
         dkv, ds = torch.zeros_like(ref_dkv), torch.zeros_like(ref_ds)
-        try:
-            fn(dkv, ds)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row too
-            failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
-            continue
-        if not (torch.equal(dkv[..., cols], ref_dkv[..., cols]) and torch.equal(ds, ref_ds)):
+        if error := run_error(fn, dkv, ds):
+            failed[name] = error
+        elif not (torch.equal(dkv[..., cols], ref_dkv[..., cols]) and torch.equal(ds, ref_ds)):
             failed[name] = "dK, dV or dS differ from the model kernel's"
     dkv, ds = torch.empty_like(ref_dkv), torch.empty_like(ref_ds)
-    for _ in range(args.rounds):
-        for name, fn in runs.items():
-            if name not in failed:
-                times[name].append(time_ms(lambda fn=fn: fn(dkv, ds), args.iters))
+    calls = {name: lambda fn=fn: fn(dkv, ds) for name, fn in runs.items() if name not in failed}
+    times = interleaved_ms(calls, args.rounds, args.iters)
     flops = 4 * 2 * B * H * S * S * D  # four GEMMs per score tile: S, dP, dV, dK
     base = statistics.median(times["model kernel"])
     print("| variant | ms per call (each round) | TFLOP/s | vs the model kernel |")
     print("|---|---|---|---|")
-    for name, ts in times.items():
+    for name in runs:
         if name in failed:
             print(f"| {name} | failed: {failed[name]} | | |")
             continue
+        ts = times[name]
         ms = statistics.median(ts)
         print(f"| {name} | {ms:.4f} ({', '.join(f'{t:.4f}' for t in ts)}) | {flops / ms / 1e9:.0f} | "
               f"{ms / base - 1:+.1%} |")  # fmt: skip

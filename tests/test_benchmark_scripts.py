@@ -203,7 +203,8 @@ def test_gpu_only_benchmarks_say_what_they_need():
                          ("benchmarks/quack_gemms.py", "needs a Hopper (sm90) or newer GPU"),
                          ("benchmarks/quack_norm_epilogue.py", "needs a Hopper (sm90) or newer GPU"),
                          ("benchmarks/stream_overlap.py", "needs a CUDA GPU"),
-                         ("benchmarks/ds_batch_sum.py", "needs triton and a CUDA GPU")):
+                         ("benchmarks/ds_batch_sum.py", "needs triton and a CUDA GPU"),
+                         ("benchmarks/dq_atomics.py", "needs triton and an sm_90")):
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and need in r.stderr, r.stderr[-500:]
 
