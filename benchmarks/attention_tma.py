@@ -164,25 +164,29 @@ def time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def run_error(fn, *args) -> str | None:
-    """Runs `fn(*args)` once and waits for it: None, or what it raised, for the variant's "failed"
-    row (a variant that does not compile is a row too)."""
-    try:
-        fn(*args)
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {str(e)[:300]}"
-    return None
-
-
-def interleaved_ms(calls: dict, rounds: int, iters: int) -> dict[str, list[float]]:
-    """`time_ms` of each of `calls` (name: a function of no arguments), `rounds` times, the calls
-    taking turns within each round so that the machine's drift touches them alike."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
+def checked_times(runs: dict, outputs, check, rounds: int, iters: int) -> tuple[dict, dict]:
+    """Runs each of `runs` (name: a function that writes into the tensors `outputs()` returns) once
+    on fresh outputs and checks them (`check(name, outs)`: None, or why they are wrong), then times
+    the ones that ran right: `rounds` rounds of `time_ms`, taking turns within each round so that the
+    machine's drift touches them alike. Returns (name: ms per round, name: why it failed); a variant
+    that does not compile is a failed row too."""
+    failed: dict[str, str] = {}
+    for name, fn in runs.items():  # results first
+        outs = outputs()
+        try:
+            fn(*outs)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
+        if why := check(name, outs):
+            failed[name] = why
+    outs = outputs()
+    times: dict[str, list[float]] = {name: [] for name in runs if name not in failed}
     for _ in range(rounds):
-        for name, fn in calls.items():
-            times[name].append(time_ms(fn, iters))
-    return times
+        for name in times:
+            times[name].append(time_ms(lambda fn=runs[name]: fn(*outs), iters))
+    return times, failed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -204,16 +208,15 @@ def main(argv: list[str] | None = None) -> None:
     runs = {"model kernel": lambda dkv, ds: run_model_kernel(x, dkv, ds, tiles)}
     for name, modes in VARIANTS.items():
         runs[name] = lambda dkv, ds, modes=modes: run_variant(x, dkv, ds, tiles, modes)
-    failed: dict[str, str] = {}
-    for name, fn in runs.items():  # results first
-        dkv, ds = torch.zeros_like(ref_dkv), torch.zeros_like(ref_ds)
-        if error := run_error(fn, dkv, ds):
-            failed[name] = error
-        elif not (torch.equal(dkv[..., cols], ref_dkv[..., cols]) and torch.equal(ds, ref_ds)):
-            failed[name] = "dK, dV or dS differ from the model kernel's"
-    dkv, ds = torch.empty_like(ref_dkv), torch.empty_like(ref_ds)
-    calls = {name: lambda fn=fn: fn(dkv, ds) for name, fn in runs.items() if name not in failed}
-    times = interleaved_ms(calls, args.rounds, args.iters)
+
+    def check(name: str, outs: tuple) -> str | None:
+        dkv, ds = outs
+        if not (torch.equal(dkv[..., cols], ref_dkv[..., cols]) and torch.equal(ds, ref_ds)):
+            return "dK, dV or dS differ from the model kernel's"
+        return None
+
+    outputs = lambda: (torch.zeros_like(ref_dkv), torch.zeros_like(ref_ds))  # noqa: E731
+    times, failed = checked_times(runs, outputs, check, args.rounds, args.iters)
     flops = 4 * 2 * B * H * S * S * D  # four GEMMs per score tile: S, dP, dV, dK
     base = statistics.median(times["model kernel"])
     print("| variant | ms per call (each round) | TFLOP/s | vs the model kernel |")

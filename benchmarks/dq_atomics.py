@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.attention_tma import encoder_inputs, interleaved_ms, run_error, run_model_kernel  # noqa: E402
+from benchmarks.attention_tma import checked_times, encoder_inputs, run_model_kernel  # noqa: E402
 from training.model import triton_attention as ta  # noqa: E402
 
 if ta.available():
@@ -165,22 +165,21 @@ def main(argv: list[str] | None = None) -> None:
             runs[f"{name}, {warps} warps"] = lambda dkv, ds, dq, t=t, m=mode, s=store: run_atomic(
                 x, dkv, ds, dq, dq32, t, m, s
             )
-    failed: dict[str, str] = {}
     scale = float(ref_dq[..., q_cols].float().abs().max())
     errors: dict[str, float] = {}
-    for name, fn in runs.items():  # results first
-        dkv, ds, dq = torch.zeros_like(ref_dkv), torch.zeros_like(ref_ds), torch.zeros_like(ref_dq)
-        if error := run_error(fn, dkv, ds, dq):
-            failed[name] = error
-        elif not torch.equal(dkv[..., kv_cols], ref_dkv[..., kv_cols]):
-            failed[name] = "dK or dV differ from the model kernel's"
-        elif name != "model" and "nodq" not in name:
+
+    def check(name: str, outs: tuple) -> str | None:
+        dkv, _, dq = outs
+        if not torch.equal(dkv[..., kv_cols], ref_dkv[..., kv_cols]):
+            return "dK or dV differ from the model kernel's"
+        if name != "model" and "nodq" not in name:
             errors[name] = float((dq[..., q_cols].float() - ref_dq[..., q_cols].float()).abs().max()) / scale
             if errors[name] > 2e-2:  # bf16 rounding of dS K summed in another order: ~1e-2 at most
-                failed[name] = f"dQ differs from the model's by {errors[name]:.2e} of its largest element"
-    dkv, ds, dq = torch.empty_like(ref_dkv), torch.empty_like(ref_ds), torch.empty_like(ref_dq)
-    calls = {name: lambda fn=fn: fn(dkv, ds, dq) for name, fn in runs.items() if name not in failed}
-    times = interleaved_ms(calls, args.rounds, args.iters)
+                return f"dQ differs from the model's by {errors[name]:.2e} of its largest element"
+        return None
+
+    outputs = lambda: (torch.zeros_like(ref_dkv), torch.zeros_like(ref_ds), torch.zeros_like(ref_dq))  # noqa: E731
+    times, failed = checked_times(runs, outputs, check, args.rounds, args.iters)
     base = statistics.median(times["model"])
     print("| variant | ms per call (each round) | vs model | dQ error |")
     print("|---|---|---|---|")

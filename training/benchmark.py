@@ -45,9 +45,9 @@ launched with programmatic dependent launch on Hopper or newer, as training comp
 without; training.run_setup.compile_options), quackffn|cublasffn (the gated FFN with the GELU in the
 epilogues of QuACK's GEMMs, T5Config.ffn_kernel "quack", needs quack-kernels and sm90+; or cuBLAS
 GEMMs and our GELU kernels), cublaslt|cublas (torch's GEMMs through cuBLASLt or cuBLAS,
-torch.backends.cuda.preferred_blas_library; without either, torch's own choice, cuBLAS on CUDA), cdtune (inductor's
-coordinate-descent tuning of its own kernels' launch settings, `coordinate_descent_tuning`: a longer
-first compile). Each variant prints one table row, ending with the
+torch.backends.cuda.preferred_blas_library; without either, torch's own choice, cuBLAS on CUDA),
+cdtune (inductor's coordinate-descent tuning of its own kernels' launch settings,
+`coordinate_descent_tuning`: a longer first compile). Each variant prints one table row, ending with the
 loss of the last step and the sum of every parameter after it (two runs of the same variant are
 bit-identical when both are `deterministic`); --json appends one JSON object per variant to a file.
 The attention tiles come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py)
