@@ -113,14 +113,14 @@ def test_model_benchmark_variant_items_parse():
                               optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,dbiaskernel,opteager,bf16residual,torchgelu,"
                       "fartiles,clipbefore,dqstored,deterministic,dssumtorch,enctiles,torchnorm,relbias,nooneblock,regional,"
-                      "biasfp32,nopdl,quackffn,cublaslt,cdtune",
+                      "biasfp32,nopdl,quackffn,cublaslt,cdtune,nobias",
                       args)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      dbias="kernel", ds_sum="torch", dq="stored", opt_compiled=False, residual_dtype="autocast", triton_gelu=False,
                      far_tiles=("fwd", "dq", "dkdv"), clip_in_step=False, deterministic=True,
                      tiles_per_class=False, triton_add_norm=False, relative_bias=True, one_block=False,
                      regional=True, bias_half=False, pdl=False, quack_ffn=True, blas="cublaslt",
-                     cd_tuning=True)  # fmt: skip
+                     cd_tuning=True, no_bias=True)  # fmt: skip
     default = parse_variant("", args)
     assert default["opt_compiled"] and default["triton_gelu"] and default["far_tiles"] == ta.FAR_TILES
     assert default["triton_add_norm"] and default["relative_bias"] == ta.RELATIVE_BIAS
@@ -132,7 +132,7 @@ def test_model_benchmark_variant_items_parse():
     assert default["pdl"] and parse_variant("nopdl,pdl", args)["pdl"]
     assert not default["quack_ffn"] and not parse_variant("quackffn,cublasffn", args)["quack_ffn"]
     assert default["blas"] is None and parse_variant("cublaslt,cublas", args)["blas"] == "cublas"
-    assert not default["cd_tuning"]
+    assert not default["cd_tuning"] and not default["no_bias"]
     assert default["clip_in_step"] and parse_variant("clipbefore,clipinstep", args)["clip_in_step"]
     assert default["tiles_per_class"] and parse_variant("enctiles,classtiles", args)["tiles_per_class"]
     assert parse_variant("fartiles=dkdv+fwd", args)["far_tiles"] == ("dkdv", "fwd")
@@ -146,7 +146,7 @@ def test_model_benchmark_variant_items_parse():
               ("", "dbiaskernel", "dbiasatomic", "opteager", "bf16residual", "torchgelu", "torchnorm", "fartiles", "fartiles=dq",
                "nofartiles" if ta.FAR_TILES else "fartiles=fwd", "clipbefore", "deterministic", "enctiles", "densebias" if ta.RELATIVE_BIAS else "relbias",
                *[f"dssum{how}" for how in ta.DS_SUMS if how != ta.DS_SUM], "nooneblock" if ta.ONE_BLOCK_BWD else "oneblock", "regional", "nopdl", "quackffn",
-               "cublaslt", "cublas", "cdtune", *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
+               "cublaslt", "cublas", "cdtune", "nobias", *[item for item, path in DQ_ITEMS.items() if path != ta.DQ_PATH])}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     assert parse_variant("dbiasatomic", args)["dbias"] == "atomic"
     assert {parse_variant(item, args)["ds_sum"] for item in ("dssumkernel", "dssumfar", "dssumtorch")} == set(ta.DS_SUMS)
@@ -184,6 +184,40 @@ def test_enctiles_runs_every_attention_with_the_encoders_tiles_and_restores_them
     assert all(tiles == table["enc"] for table in seen[0].values() if "enc" in table for tiles in table.values())
     assert seen[0]["ONEBLOCK"] == before["ONEBLOCK"]
     assert seen[1] == before and before["DKDV"]["dec-short"] != before["DKDV"]["enc"]
+
+
+def test_nobias_runs_the_model_without_its_relative_bias_and_puts_it_back(monkeypatch):
+    """`nobias` times a model whose attention has no relative bias: its loss is that of the same model
+    with both bias tables zeroed, and differs from the model's own. T5Stack.position_bias is back after
+    the variant's run, also when the run fails."""
+    import training.benchmark as bench
+    from training.model import T5Config, T5ForConditionalGeneration, t5
+
+    args = argparse.Namespace(attention="math", compile=False, fused_ce=True, batch_size=2, compile_mode="",
+                              optimizer_compiled=False, residual_dtype="float32")  # fmt: skip
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math"))
+    x, y = torch.randint(2, 100, (2, 40)), torch.randint(2, 100, (2, 9))
+    original = t5.T5Stack.position_bias
+    losses = {}
+
+    def fake_run(variant, args, device):
+        assert (t5.T5Stack.position_bias is original) != variant["no_bias"]
+        with torch.no_grad():
+            losses[variant["no_bias"]] = model(x, labels=y).loss
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(bench, "_run_variant", fake_run)
+    for spec in ("nobias", ""):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            bench.run_variant(bench.parse_variant(spec, args), args, torch.device("cpu"))
+        assert t5.T5Stack.position_bias is original
+    with torch.no_grad():
+        for stack in (model.encoder, model.decoder):
+            stack.bias_table.weight.zero_()
+        zeroed = model(x, labels=y).loss
+    torch.testing.assert_close(losses[True], zeroed, rtol=1e-6, atol=0)
+    assert abs(float(losses[False] - zeroed)) > 1e-4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

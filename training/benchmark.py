@@ -47,7 +47,8 @@ epilogues of QuACK's GEMMs, T5Config.ffn_kernel "quack", needs quack-kernels and
 GEMMs and our GELU kernels), cublaslt|cublas (torch's GEMMs through cuBLASLt or cuBLAS,
 torch.backends.cuda.preferred_blas_library; without either, torch's own choice, cuBLAS on CUDA),
 cdtune (inductor's coordinate-descent tuning of its own kernels' launch settings,
-`coordinate_descent_tuning`: a longer first compile). Each variant prints one table row, ending with the
+`coordinate_descent_tuning`: a longer first compile), nobias (no relative bias in any attention: not
+T5 any more, a bound on what any kernel for T5's bias and its gradient could give the step). Each variant prints one table row, ending with the
 loss of the last step and the sum of every parameter after it (two runs of the same variant are
 bit-identical when both are `deterministic`); --json appends one JSON object per variant to a file.
 The attention tiles come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py)
@@ -101,7 +102,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         residual_dtype=args.residual_dtype, triton_gelu=True, far_tiles=FAR_TILES, clip_in_step=True,
         deterministic=False, tiles_per_class=True, triton_add_norm=True, relative_bias=RELATIVE_BIAS,
         one_block=ONE_BLOCK_BWD, regional=False, bias_half=BIAS_HALF, pdl=True, quack_ffn=False,
-        blas=None, cd_tuning=False,
+        blas=None, cd_tuning=False, no_bias=False,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ("triton", "cudnn", "sdpa", "flex", "math"):
@@ -154,6 +155,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["blas"] = item
         elif item == "cdtune":
             variant["cd_tuning"] = True
+        elif item == "nobias":
+            variant["no_bias"] = True
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -193,6 +196,7 @@ def variant_label(v: dict) -> str:
     notes += ["QuACK FFN"] if v["quack_ffn"] else []
     notes += [v["blas"]] if v["blas"] else []
     notes += ["coordinate-descent tuning"] if v["cd_tuning"] else []
+    notes += ["NO relative bias (not T5)"] if v["no_bias"] else []
     return ", ".join([v["attention"], *notes])
 
 
@@ -201,7 +205,8 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     from training.model import triton_attention as ta
 
     defaults = (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.BIAS_HALF,
-                triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy)  # fmt: skip
+                triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy,
+                t5.T5Stack.position_bias)  # fmt: skip
     tables = ta.TILE_TABLES.values()
     default_tiles = [dict(table) for table in tables]
     ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH = variant["dbias"], variant["ds_sum"], variant["dq"]
@@ -209,6 +214,8 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     ta.ONE_BLOCK_BWD, ta.BIAS_HALF = variant["one_block"], variant["bias_half"]
     triton_gated_gelu.ENABLED = variant["triton_gelu"]
     triton_add_norm.ENABLED = variant["triton_add_norm"]
+    if variant["no_bias"]:
+        t5.T5Stack.position_bias = _no_position_bias
     if not variant["tiles_per_class"]:  # the encoder's tiles everywhere, as before the sixteenth session
         for table in tables:
             if "enc" in table:  # (the one-block kernel's table has the short classes only)
@@ -223,10 +230,17 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
     finally:
         torch.backends.cuda.preferred_blas_library(blas)
         (ta.DBIAS_PATH, ta.DS_SUM, ta.DQ_PATH, ta.FAR_TILES, ta.RELATIVE_BIAS, ta.ONE_BLOCK_BWD, ta.BIAS_HALF,
-         triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy) = defaults  # fmt: skip
+         triton_gated_gelu.ENABLED, triton_add_norm.ENABLED, t5.fused_linear_cross_entropy,
+         t5.T5Stack.position_bias) = defaults  # fmt: skip
         for table, tiles in zip(tables, default_tiles):
             table.update(tiles)
         set_deterministic(False)
+
+
+def _no_position_bias(stack, q_len, k_len, q_offset, device) -> None:
+    """`nobias`: T5Stack.position_bias for a model without T5's relative bias. Every attention then
+    runs the kernels' no-bias path (as the cross-attention does), and the bias tables get no gradient."""
+    return None
 
 
 def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
