@@ -48,9 +48,10 @@ GEMMs and our GELU kernels), cublaslt|cublas (torch's GEMMs through cuBLASLt or 
 torch.backends.cuda.preferred_blas_library; without either, torch's own choice, cuBLAS on CUDA),
 cdtune (inductor's coordinate-descent tuning of its own kernels' launch settings,
 `coordinate_descent_tuning`: a longer first compile), nobias (no relative bias in any attention: not
-T5 any more, a bound on what any kernel for T5's bias and its gradient could give the step). Each variant prints one table row, ending with the
-loss of the last step and the sum of every parameter after it (two runs of the same variant are
-bit-identical when both are `deterministic`); --json appends one JSON object per variant to a file.
+T5 any more, a bound on what any kernel for T5's bias and its gradient could give the step). Each
+variant prints one table row, ending with the loss of the last step and the sum of every parameter
+after it (two runs of the same variant are bit-identical when both are `deterministic`); --json
+appends one JSON object per variant to a file.
 The attention tiles come from the T5DS_ATTN_* environment variables (training/model/triton_attention.py)
 for sweeps.
 """
