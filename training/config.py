@@ -5,10 +5,10 @@
 
 Each field has its default and a docstring; `__post_init__` validates a section and says how to fix
 a bad value (ConfigError). Reading YAML files, `key=value` overrides and typed parsing live in
-training/config_loader.py; `micro_batch_size` and `eval_batch_size_per_rank` below derive per-rank
-sizes from a config and the world size.
-
-Run `python -m training.config CONFIG.yaml [key=value ...]` to print the resolved config.
+training/config_loader.py, which depends on this module (never the reverse);
+`python -m training.config_loader CONFIG.yaml [key=value ...]` prints a resolved config.
+`micro_batch_size` and `eval_batch_size_per_rank` below derive per-rank sizes from a config and the
+world size.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 # Mirrors of training.model.config's choices (kept in sync by tests/test_config.py), so that a typo
 # fails at config load, before any process group or model is built.
 MODEL_PRESETS = ("tiny", "small", "base", "large", "xl", "xxl")
-ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton", "cudnn")
+ATTENTION_BACKENDS = ("auto", "math", "sdpa", "triton")
 RESIDUAL_DTYPES = ("float32", "autocast")
 FFN_KERNELS = ("default", "quack")
 ZERO3_COMPILE_MODES = ("blocks", "pointwise")  # training.zero3_compile
@@ -59,28 +59,28 @@ class ModelConfig:
     dropout_rate: float = 0.0
     """Dropout probability in [0, 1). nanoT5 pre-trains with 0.0; T5 fine-tuning used 0.1."""
     attention_backend: str = "auto"
-    """Attention implementation: auto (picks per device) | math | sdpa | flex | triton | cudnn
-    (training.model; docs/model.md)."""
+    """Attention implementation: auto (triton on a GPU, math on the CPU) | triton (the fused kernels
+    with T5's bias; with dropout on, or decoding with a cache, sdpa runs instead) | sdpa (torch's
+    scaled_dot_product_attention) | math (plain torch ops, the reference). training/model/attention.py."""
     residual_dtype: str = "float32"
     """Hidden states between blocks: float32 (HF numerics) | autocast (bf16 under bf16 precision, as
-    T5X's activations; ~5% faster steps and 3 GiB less at T5-base batch 128, docs/model_speed.md)."""
+    T5X's activations; ~5% faster steps and 3 GiB less at T5-base batch 128 on an H100)."""
     ffn_kernel: str = "default"
     """Kernels of the gated FFN in training steps: default (cuBLAS GEMMs, Triton gated GELU) | quack
     (the GELU and its gradient in the epilogues of QuACK's GEMMs; needs `pip install '.[quack]'`,
     plus `nvidia-cutlass-dsl[cu13]==4.7.0` for a CUDA 13 torch, and a Hopper or newer GPU; ~4% faster
     steps and 3.9 GiB less at T5-base batch 128 on an H100, after 2-3 minutes of autotuning on the
-    first step; over a 600-step schedule with three seeds its held-out loss matched the default's
-    within 0.01, docs/performance.md. That gain is under ZeRO 0; under ZeRO 2 none was measurable,
-    docs/model_speed.md "ZeRO 2 repeated")."""
+    first step; over a 600-step schedule with three seeds its held-out loss matches the default's
+    within 0.01. That gain is under ZeRO 0; under ZeRO 2 none is measurable)."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
     hooks that a whole compiled forward would skip)."""
     compile_mode: str = "default"
     """torch.compile mode of the forward (ZeRO 0-2): default | reduce-overhead (CUDA graphs) |
-    max-autotune-no-cudagraphs | max-autotune. T5 base on an H100 (docs/model_speed.md): reduce-overhead
-    runs at the default's speed; the max-autotune modes spend over 9 minutes compiling for GEMMs
-    that cuBLAS nearly always wins. Under ZeRO 3 only default is accepted (`zero3_compile` there)."""
+    max-autotune-no-cudagraphs | max-autotune. T5 base on an H100: reduce-overhead runs at the
+    default's speed; the max-autotune modes spend over 9 minutes compiling for GEMMs that cuBLAS
+    nearly always wins. Under ZeRO 3 only default is accepted (`zero3_compile` there)."""
     zero3_compile: str = "blocks"
     """What `compile` compiles under ZeRO 3: blocks (each T5 block one graph, its parameters gathered
     in one all-gather) | pointwise (only the RMS norms and gated GELUs). training/zero3_compile.py."""
@@ -268,12 +268,12 @@ class BudgetConfig:
 @dataclass
 class RunConfig:
     output_dir: str = "runs/t5_base_c4"
-    """Run directory: checkpoints/, metrics.jsonl, config.yaml (the resolved config)."""
+    """Run directory: config.yaml (the resolved config), metrics.jsonl, checkpoints/ (training/run_dir.py)."""
     seed: int = 2137
     """Base random seed (model init, span corruption, data order)."""
     deterministic: bool = False
     """Bit-identical GPU runs from the same seed and data (training/determinism.py): ~3% slower
-    steps for T5 base on an H100 (docs/performance.md). Without it runs drift apart within tens of steps."""
+    steps for T5 base on an H100. Without it runs drift apart within tens of steps."""
     device: str = "auto"
     """auto (cuda when available, else cpu) | cuda | cpu."""
     precision: str = "bf16"
@@ -355,10 +355,3 @@ def eval_batch_size_per_rank(cfg: RunConfig, world_size: int) -> int:
         )
     return cfg.eval.batch_size // world_size
 
-
-if __name__ == "__main__":  # `python -m training.config`: the loader's command line
-    import sys
-
-    from training.config_loader import main
-
-    sys.exit(main())

@@ -11,8 +11,7 @@ value is parsed by the field's type: ints, floats (`2e-2`), bools (`true/false`)
 `null`/`none` for optional fields, comma-separated tuples (`optim.betas=0.9,0.999`). Unknown keys
 and ill-typed values are errors that list what is valid.
 
-`python -m training.config CONFIG.yaml [key=value ...]` (or `python -m training.config_loader ...`)
-prints the resolved config.
+`python -m training.config_loader CONFIG.yaml [key=value ...]` prints the resolved config.
 """
 
 from __future__ import annotations
@@ -255,7 +254,7 @@ def load_run_config(
         raise ConfigError(f"{e}{where if yaml_path else ''}") from None
 
 
-def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
+def dump_yaml(cfg: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically: tmp file + rename); loadable by load_run_config."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -267,9 +266,10 @@ def dump_yaml(cfg: RunConfig, path: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print the resolved run config of CONFIG.yaml with overrides; 2 and the reason on a bad config."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m training.config CONFIG.yaml [section.key=value ...]")
+        print("usage: python -m training.config_loader CONFIG.yaml [section.key=value ...]")
         return 0
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     try:
