@@ -18,10 +18,11 @@ import torch
 import torch.multiprocessing as mp
 
 from training import checkpoint as checkpoint_module
-from training.checkpoint import CheckpointManager, step_dirname
+from training.checkpoint import CheckpointManager
 from training.config_loader import load_run_config
 from training.distributed import shutdown_distributed
 from training.ds_config import resolve_ds_config
+from training.run_dir import step_dirname
 
 IN_DIM, HIDDEN, OUT_DIM = 8, 16, 4
 
@@ -201,14 +202,14 @@ def test_crash_before_latest_still_resumes_newest(dist1, tmp_path, monkeypatch):
     _train(engine, 1, 1, rank=0)
     weights_at_2 = _weights(engine)
 
-    real_write = checkpoint_module._write_atomic
+    real_write = checkpoint_module.write_atomic
 
     def crash_on_latest(path, text):
         if path.name == "latest":
             raise KeyboardInterrupt("killed between the rename and `latest`")
         real_write(path, text)
 
-    monkeypatch.setattr(checkpoint_module, "_write_atomic", crash_on_latest)
+    monkeypatch.setattr(checkpoint_module, "write_atomic", crash_on_latest)
     with pytest.raises(KeyboardInterrupt):
         manager.save(engine, 2, _rank_state(0, 2))
     monkeypatch.undo()

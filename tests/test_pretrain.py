@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.export import checkpoint_state_dict
+from training.checkpoint import checkpoint_state_dict
 from training.metrics import read_metrics
 from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
 
@@ -157,7 +157,7 @@ def test_resume_continues_exactly(reference_run, shards, tmp_path):
 
 def test_deterministic_run_matches_the_reference(reference_run, shards, tmp_path):
     """`deterministic=true` reaches torch (logged in the start event) and changes no result on CPU,
-    whose kernels are deterministic anyway (GPU runs: docs/performance.md)."""
+    whose kernels are deterministic anyway (on a GPU it is what makes two runs bit-identical)."""
     run = tmp_path / "deterministic"
     train(run, shards, "deterministic=true", "checkpoint.every_steps=0", "eval.every_steps=0")
     assert read_metrics(run / "metrics.jsonl", "event")[0]["deterministic"]
@@ -230,7 +230,7 @@ def test_export_loads_in_transformers(reference_run, tmp_path):
     from safetensors.torch import load_file
     from transformers import T5ForConditionalGeneration as HFT5
 
-    from training.export import load_run_model
+    from training.checkpoint import load_run_model
 
     out = tmp_path / "hf"
     subprocess.run([sys.executable, "-m", "training.export", str(reference_run), str(out)], cwd=REPO,

@@ -1,4 +1,6 @@
-"""training/run_setup.py: how the forward is compiled (`model.compile_mode`) and where that is refused."""
+"""training/compile_settings.py and training/run_setup.py: how the forward is compiled
+(`model.compile_mode`) and where that is refused, the first step's compile report, the start of a
+run and the ZeRO stage advice."""
 
 from __future__ import annotations
 
@@ -7,15 +9,18 @@ import logging
 import pytest
 import torch
 
-from training.config_loader import load_run_config
-from training.ds_config import load_ds_config
-from training.run_setup import (
+import training.compile_settings as compile_settings
+from training.compile_settings import (
     INDUCTOR_PDL_OPTION,
+    MODEL_INDUCTOR_OPTIONS,
+    compile_cache_outcomes,
     compile_forward,
     compile_options,
-    start_engine,
-    zero_stage_advice,
 )
+from training.config_loader import load_run_config
+from training.ds_config import load_ds_config
+from training.run_dir import RunDir
+from training.run_setup import begin_run, start_engine, zero_stage_advice
 
 
 @pytest.mark.parametrize("mode, expected", [("default", {}), ("reduce-overhead", {"triton.cudagraphs": True}),
@@ -24,8 +29,6 @@ def test_compile_forward_passes_the_mode_and_the_model_inductor_options(monkeypa
     """The mode's inductor options (torch.compile takes a mode or options, not both) plus the model's
     own, every one an inductor setting this torch knows (torch.compile would refuse another)."""
     import torch._inductor.config as inductor_config
-
-    from training.run_setup import MODEL_INDUCTOR_OPTIONS
 
     calls = []
 
@@ -50,12 +53,10 @@ def test_compile_forward_passes_the_mode_and_the_model_inductor_options(monkeypa
 def test_compile_options_leave_pdl_out_where_torch_lacks_it_and_off_when_asked(monkeypatch):
     """`compile_options(pdl=False)` turns inductor's PDL off (the benchmark's `nopdl`); a torch whose
     inductor has no such setting gets no key at all, since torch.compile refuses unknown options."""
-    import training.run_setup as run_setup
-
-    monkeypatch.setattr(run_setup, "_inductor_has", lambda option: True)
+    monkeypatch.setattr(compile_settings, "_inductor_has", lambda option: True)
     assert compile_options()[INDUCTOR_PDL_OPTION] is True
     assert compile_options("default", pdl=False)[INDUCTOR_PDL_OPTION] is False
-    monkeypatch.setattr(run_setup, "_inductor_has", lambda option: option != INDUCTOR_PDL_OPTION)
+    monkeypatch.setattr(compile_settings, "_inductor_has", lambda option: option != INDUCTOR_PDL_OPTION)
     assert INDUCTOR_PDL_OPTION not in compile_options() and INDUCTOR_PDL_OPTION not in compile_options(pdl=False)
 
 
@@ -70,7 +71,6 @@ def test_compiled_training_forward_comes_back_from_the_autograd_cache(compile_ca
 
     from training.model.config import T5Config
     from training.model.t5 import T5ForConditionalGeneration
-    from training.run_setup import compile_cache_outcomes
 
     x = torch.randint(0, 100, (2, 12))
     y = torch.randint(0, 100, (2, 5))
@@ -109,7 +109,6 @@ def test_first_step_record_and_line_say_what_the_compile_cache_did(monkeypatch, 
     """The first step's event record carries the seconds and the cache outcomes; its log line says
     where a later run finds the compiled step when it was compiled from scratch, and that part of it
     cannot be cached when the cache stepped aside."""
-    import training.run_setup as run_setup
 
     class Metrics:
         def __init__(self):
@@ -118,10 +117,10 @@ def test_first_step_record_and_line_say_what_the_compile_cache_did(monkeypatch, 
         def log(self, kind, record):
             self.records.append((kind, record))
 
-    monkeypatch.setattr(run_setup, "compile_cache_outcomes", lambda: outcomes)
+    monkeypatch.setattr(compile_settings, "compile_cache_outcomes", lambda: outcomes)
     metrics = Metrics()
-    with caplog.at_level("INFO", logger="training.run_setup"):
-        run_setup.log_first_step(metrics, 7, 12.5)
+    with caplog.at_level("INFO", logger="training.compile_settings"):
+        compile_settings.log_first_step(metrics, 7, 12.5)
     assert metrics.records == [("event", {"step": 7, "event": "first_step", "seconds": 12.5, "compile_cache": outcomes})]
     assert "12.5 s" in caplog.text
     assert ("TORCHINDUCTOR_CACHE_DIR" in caplog.text) == (hint == "TORCHINDUCTOR_CACHE_DIR")
@@ -135,7 +134,6 @@ def test_zero3_blocks_compile_with_the_model_inductor_options(monkeypatch, backe
     (with inductor; other backends take none), and the compiled forward is what a training call runs."""
     from training.model.config import T5Config
     from training.model.t5 import T5ForConditionalGeneration
-    from training.run_setup import MODEL_INDUCTOR_OPTIONS
     from training.zero3_compile import _compiled_block_forward
 
     calls = []
@@ -162,7 +160,8 @@ def test_a_compile_mode_under_zero3_is_refused_before_the_engine_starts(tmp_path
     ds_config = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0, "train_batch_size": 8}
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="model.compile_mode=default"):
-        start_engine(cfg, model, None, None, ds_config, tmp_path, rank=0, world_size=1, device=torch.device("cpu"))
+        start_engine(cfg, model, None, None, ds_config, RunDir(tmp_path), rank=0, world_size=1,
+                     device=torch.device("cpu"))
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
@@ -174,19 +173,18 @@ def test_begin_run_seeds_makes_the_directory_on_rank_0_and_switches_determinism(
     import signal
 
     from training.determinism import set_deterministic
-    from training.run_setup import begin_run
 
     stops = []
     try:
         cfg = load_run_config(None, ["seed=123", f"output_dir={tmp_path / 'other'}"])
-        stop, out_dir = begin_run(cfg, rank=1)
+        stop, run_dir = begin_run(cfg, rank=1)
         stops.append(stop)
-        assert out_dir == tmp_path / "other" and not out_dir.exists()
+        assert run_dir == RunDir(tmp_path / "other") and not run_dir.path.exists()
         assert torch.initial_seed() == 123 and not torch.are_deterministic_algorithms_enabled()
         cfg = load_run_config(None, ["seed=7", "deterministic=true", f"output_dir={tmp_path / 'run'}"])
-        stop, out_dir = begin_run(cfg, rank=0)
+        stop, run_dir = begin_run(cfg, rank=0)
         stops.append(stop)
-        assert out_dir.is_dir() and torch.initial_seed() == 7 and stop.received is None
+        assert run_dir.path.is_dir() and torch.initial_seed() == 7 and stop.received is None
         assert torch.are_deterministic_algorithms_enabled()
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler records it instead of the default action
         assert stop.received == signal.SIGUSR1

@@ -1,6 +1,8 @@
-"""Crash-safe DeepSpeed checkpoints with per-rank state, rotation and validated resume.
+"""Crash-safe DeepSpeed checkpoints with per-rank state, rotation and validated resume, and the
+model weights of a checkpoint (`checkpoint_state_dict`, `load_run_model`).
 
-Layout (one directory per checkpoint, DeepSpeed's own files directly inside it):
+Layout (one directory per checkpoint, DeepSpeed's own files directly inside it; the run directory's
+`checkpoints/` is training/run_dir.py's):
 
     <output_dir>/checkpoints/
         step_00005000/
@@ -39,21 +41,16 @@ from typing import Any
 
 import torch
 
+from training.model import T5ForConditionalGeneration
+from training.run_dir import RunDir, step_dirname
+
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS_DIRNAME = "checkpoints"
 LATEST_NAME = "latest"
 META_NAME = "meta.json"
 TMP_PREFIX = ".tmp-"
 META_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-
-
-def step_dirname(step: int) -> str:
-    """Directory name of the checkpoint after `step` optimizer steps: step_00005000."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:08d}"
 
 
 def rank_state_name(rank: int) -> str:
@@ -79,7 +76,8 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file, an fsync and a rename."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -89,7 +87,7 @@ def _write_atomic(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
-def _list_files(directory: Path) -> dict[str, int]:
+def checkpoint_files(directory: Path) -> dict[str, int]:
     """Relative path -> size in bytes of every regular file under `directory` (meta.json excluded)."""
     files = {}
     for p in sorted(directory.rglob("*")):
@@ -104,7 +102,7 @@ def _engine_zero_stage(engine: Any) -> int:
 
 
 class CheckpointManager:
-    """Saves, rotates, validates and loads checkpoints under <output_dir>/checkpoints.
+    """Saves, rotates, validates and loads the checkpoints of a run directory (its `checkpoints/`).
 
     Every rank constructs one and calls `save` / `load` (DeepSpeed needs all ranks); rank 0 alone
     does the renames, `latest` and the deletions. `barrier` synchronises the ranks (the default uses
@@ -113,7 +111,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        output_dir: str | Path,
+        run_dir: RunDir | str | Path,
         *,
         keep_last: int,
         rank: int,
@@ -124,7 +122,7 @@ class CheckpointManager:
             raise ValueError(f"keep_last={keep_last} must be >= 1 (checkpoint.keep_last)")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-        self.root = Path(output_dir) / CHECKPOINTS_DIRNAME
+        self.root = RunDir(run_dir).checkpoints
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
@@ -160,7 +158,7 @@ class CheckpointManager:
         self.barrier()  # every rank's files are on disk
 
         if self.rank == 0:
-            files = _list_files(tmp)
+            files = checkpoint_files(tmp)
             for rel in files:
                 _fsync_path(tmp / rel)
             missing = [rank_state_name(r) for r in range(self.world_size) if rank_state_name(r) not in files]
@@ -178,7 +176,7 @@ class CheckpointManager:
                 "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "files": files,
             }
-            _write_atomic(tmp / META_NAME, json.dumps(meta, indent=1) + "\n")
+            write_atomic(tmp / META_NAME, json.dumps(meta, indent=1) + "\n")
 
             replaced = None
             if final.exists():  # saving the same step again (e.g. right after a resume)
@@ -190,7 +188,7 @@ class CheckpointManager:
                 shutil.rmtree(replaced, ignore_errors=True)
             # `latest` goes LAST: a crash before this line leaves it naming the previous checkpoint,
             # and find_resumable still finds the new one by scanning.
-            _write_atomic(self.root / LATEST_NAME, name + "\n")
+            write_atomic(self.root / LATEST_NAME, name + "\n")
             self._rotate(keep=final)
             size_gb = sum(files.values()) / 1e9
             logger.info("saved checkpoint %s (%.2f GB, %.1f s)", final, size_gb, time.time() - t0)
@@ -329,8 +327,8 @@ class CheckpointManager:
 
         When the checkpoint was written with a different world size and this rank has no file of its
         own, rank 0's state is returned (the data cursor is global, so that is right for it; per-rank
-        RNG streams then restart from rank 0's). ZeRO >= 1 checkpoints cannot change world size here:
-        see docs/configuration.md (DeepSpeed universal checkpoints).
+        RNG streams then restart from rank 0's). ZeRO >= 1 checkpoints change world size only once
+        converted to DeepSpeed's universal format (training/checkpoint_universal.py).
         """
         path = Path(path)
         found = self.problems(path)
@@ -343,7 +341,7 @@ class CheckpointManager:
                 f"checkpoint {path} was written by {saved_world} ranks with ZeRO stage {saved_stage}, and "
                 f"this run has {self.world_size}: DeepSpeed cannot re-partition ZeRO optimizer state "
                 "directly. Resume with the same number of ranks, or convert it first: "
-                "python -m training.checkpoint_universal RUN_DIR NEW_RUN_DIR (docs/configuration.md)"
+                "python -m training.checkpoint_universal RUN_DIR NEW_RUN_DIR"
             )
 
         load_path, _ = engine.load_checkpoint(
@@ -381,3 +379,57 @@ class CheckpointManager:
         step = int(meta["step"])
         logger.info("resumed from %s at step %d", path, step)
         return step, rank_state
+
+
+# -----------------------------------------------------------------------------------------------
+# The model weights of a checkpoint
+# -----------------------------------------------------------------------------------------------
+
+
+def newest_checkpoint(run_dir: RunDir | str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, as one process sees it (export, conversion, starting
+    another run from this one); None if there is none."""
+    manager = CheckpointManager(run_dir, keep_last=1, rank=0, world_size=1, barrier=lambda: None)
+    return manager.find_resumable()
+
+
+def checkpoint_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """fp32 model weights of one checkpoint directory (checkpoints/step_N), whatever the ZeRO stage.
+
+    ZeRO 0-2 store the full module (fp32 master weights: the engine keeps fp32 parameters and
+    computes in bf16 through autocast); ZeRO 3 stores only partitions, which DeepSpeed's
+    zero_to_fp32 reassembles.
+    """
+    model_file = checkpoint / "mp_rank_00_model_states.pt"  # ZeRO 0-2
+    zero3_file = checkpoint / "zero_pp_rank_0_mp_rank_00_model_states.pt"  # ZeRO 3
+    if not model_file.is_file() and not zero3_file.is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a DeepSpeed checkpoint directory (no {model_file.name} "
+                                f"or {zero3_file.name})")
+    states = torch.load(model_file if model_file.is_file() else zero3_file, map_location="cpu", weights_only=False)
+    module = states.get("module")
+    zero_stage = int(states.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
+    if zero_stage == 3 or not module:
+        # deepspeed imports here: it takes seconds, and only ZeRO 3 checkpoints need it.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        module = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+    return {k: v.float() for k, v in module.items()}
+
+
+def load_run_model(run_dir: RunDir | str | Path, checkpoint: str | Path | None = None):
+    """(the model of a run at its newest complete checkpoint, or at `checkpoint`, on the CPU in fp32 and
+    in eval mode; the checkpoint directory)."""
+    run_dir = RunDir(run_dir)
+    if checkpoint is None:
+        checkpoint = newest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise FileNotFoundError(f"no complete checkpoint under {run_dir.checkpoints}: train longer "
+                                    "(checkpoint.every_steps) or pass --checkpoint")
+    model = T5ForConditionalGeneration(run_dir.read_model_config())
+    state = checkpoint_state_dict(Path(checkpoint))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"{checkpoint} does not match the run's model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    logger.info("loaded %s", checkpoint)
+    return model.eval(), Path(checkpoint)

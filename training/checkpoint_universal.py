@@ -23,28 +23,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from training.checkpoint import (
     LATEST_NAME,
     META_NAME,
     TMP_PREFIX,
     CheckpointManager,
-    _list_files,
-    _write_atomic,
+    checkpoint_files,
     rank_state_name,
+    write_atomic,
 )
+from training.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
-
-# Files of the run directory the new run needs (the resolved run config and the exact model shape).
-RUN_FILES = ("config.yaml", "model_config.json")
 
 
 def _make_loadable_by_zero3(universal_dir: Path) -> None:
     """ds_to_universal (DeepSpeed 0.19) writes what ZeRO 1/2 engines read; a ZeRO 3 engine also looks for
     its module-state file under the stage-3 name and for the optimizer's step and hyper-parameters
     under `optimizer_state_dict` in zero/optimizer_state.pt. Add both (same content, no new data)."""
-    import torch
-
     os.link(universal_dir / "mp_rank_00_model_states.pt", universal_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     state_path = universal_dir / "zero" / "optimizer_state.pt"
     optim_sd = torch.load(state_path, weights_only=False)
@@ -57,19 +55,20 @@ def _make_loadable_by_zero3(universal_dir: Path) -> None:
 
 def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoint: str | Path | None = None) -> Path:
     """Write `checkpoint` (default: the run's newest complete one) as a universal checkpoint into
-    `new_run_dir`/checkpoints/ and return its directory."""
-    run_dir, new_run_dir = Path(run_dir), Path(new_run_dir)
+    `new_run_dir`/checkpoints/ and return its directory; the new run directory also gets the run's
+    config and model config."""
+    run_dir, new_run_dir = RunDir(run_dir), RunDir(new_run_dir)
     source = CheckpointManager(run_dir, keep_last=1, rank=0, world_size=1, barrier=lambda: None)
     src = Path(checkpoint) if checkpoint else source.find_resumable()
     if src is None:
-        raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
+        raise FileNotFoundError(f"no complete checkpoint under {run_dir.checkpoints}")
     problems = source.problems(src)
     if problems:
         raise RuntimeError(f"cannot convert {src}: {'; '.join(problems)}")
     meta = source.read_meta(src)
     if source.is_universal(meta):
         raise ValueError(f"{src} is already a universal checkpoint: resume from it directly")
-    dest_root = new_run_dir / "checkpoints"
+    dest_root = new_run_dir.checkpoints
     if dest_root.exists() and any(dest_root.iterdir()):
         raise FileExistsError(f"{dest_root} is not empty: choose a new run directory (nothing was written)")
     dest_root.mkdir(parents=True, exist_ok=True)
@@ -86,13 +85,11 @@ def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoin
     for r in range(int(meta["world_size"])):
         shutil.copy2(src / rank_state_name(r), tmp / rank_state_name(r))
     _make_loadable_by_zero3(tmp)
-    universal_meta = {**meta, "universal": True, "converted_from": str(src.resolve()), "files": _list_files(tmp)}
-    _write_atomic(tmp / META_NAME, json.dumps(universal_meta, indent=1) + "\n")
+    universal_meta = {**meta, "universal": True, "converted_from": str(src.resolve()), "files": checkpoint_files(tmp)}
+    write_atomic(tmp / META_NAME, json.dumps(universal_meta, indent=1) + "\n")
     tmp.replace(final)
-    _write_atomic(dest_root / LATEST_NAME, final.name + "\n")
-    for name in RUN_FILES:
-        if (run_dir / name).is_file():
-            shutil.copy2(run_dir / name, new_run_dir / name)
+    write_atomic(dest_root / LATEST_NAME, final.name + "\n")
+    run_dir.copy_definition_to(new_run_dir)
     logger.info("wrote universal checkpoint %s from %s", final, src)
     return final
 

@@ -5,7 +5,8 @@
 
 CHECKPOINT: a Hugging Face model directory (config.json + model.safetensors / pytorch_model.bin), or
 a plain state-dict file (.safetensors / .bin / .pt, e.g. a nanoT5 checkpoint) or a directory holding
-one without config.json, together with `--preset base` (or small / large / ...).
+one without config.json, together with `--preset base` (or small / large / ...), or one of our run
+directories (training/pretrain.py, training/finetune.py: its newest complete checkpoint).
 --data: the compact SNI directory (test.jsonl.gz [+ test_references.jsonl.gz]) or a
 natural-instructions checkout root. Writes DIR/predictions.jsonl and DIR/metrics.json.
 
@@ -23,7 +24,12 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from training.checkpoint import load_run_model
+from training.distributed import shutdown_distributed
+from training.model.hf_compat import load_pretrained
+from training.run_dir import RunDir
 from training.sni.encoding import DEFAULT_SPIECE, SNITokenizer, TemplateConfig
 from training.sni.evaluate import build_eval_set, evaluate_sni
 
@@ -43,14 +49,10 @@ def load_model_for_eval(
     - a plain state-dict file, or a directory holding one without config.json, plus `preset`, or
     - one of our run directories (training/pretrain.py, training/finetune.py): its newest complete
       checkpoint."""
-    from training.model.hf_compat import load_pretrained
-
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
-    if (path / "model_config.json").is_file():  # one of our runs (pre-training or fine-tuning)
-        from training.export import load_run_model
-
+    if RunDir(path).is_run():  # one of our runs (pre-training or fine-tuning)
         model, _ = load_run_model(path)
         return model.to(device=device, dtype=dtype).eval()
     if path.is_dir() and not (path / "config.json").exists() and preset is None:
@@ -69,8 +71,6 @@ def _dist_setup() -> tuple[int, int, torch.device]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if world_size > 1:
-        import torch.distributed as dist
-
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -79,7 +79,8 @@ def _dist_setup() -> tuple[int, int, torch.device]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="HF model directory, or a state-dict file/directory with --preset")
+    p.add_argument("checkpoint", help="HF model directory, a run directory of ours, or a state-dict file/directory "
+                   "with --preset")
     p.add_argument(
         "--data", required=True, help="compact SNI directory/file or natural-instructions checkout"
     )
@@ -151,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
         print(f"wrote {out / 'predictions.jsonl'} and {out / 'metrics.json'}")
     if world_size > 1:
-        from training.distributed import shutdown_distributed
-
         shutdown_distributed()
     return 0
 

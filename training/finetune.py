@@ -24,7 +24,11 @@ import time
 import torch
 
 from training.budget import Horizon
+from training.compile_settings import log_first_step
+from training.config import micro_batch_size
 from training.distributed import DistInfo, all_reduce_sum
+from training.ds_config import resolve_ds_config
+from training.finetune_config import FinetuneConfig
 from training.metrics import train_line
 from training.run_setup import (
     begin_run,
@@ -32,32 +36,22 @@ from training.run_setup import (
     build_optimizer_and_schedule,
     capture_rng_state,
     launch,
-    log_first_step,
     open_run_outputs,
     restore_rng_state,
     start_engine,
 )
+from training.sni.encoding import SNITokenizer, TemplateConfig, encode_tasks, num_train_batches, train_batches
+from training.sni.evaluate import build_eval_set, evaluate_sni
+from training.sni.tasks import load_sni
 from training.stop_signals import EXIT_REQUEUE
 
 logger = logging.getLogger("t5ds.finetune")
 
 
-def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
+def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInfo) -> int:
     """Run (or resume) SNI fine-tuning with a final Rouge-L evaluation; returns the process exit code."""
-    from training.config import micro_batch_size
-    from training.ds_config import resolve_ds_config
-    from training.sni.encoding import (
-        SNITokenizer,
-        TemplateConfig,
-        encode_tasks,
-        num_train_batches,
-        train_batches,
-    )
-    from training.sni.evaluate import build_eval_set, evaluate_sni
-    from training.sni.tasks import load_sni
-
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
-    stop, out_dir = begin_run(cfg, rank=rank)  # first: signal handler, output directory, seed
+    stop, run_dir = begin_run(cfg, rank=rank)  # first: signal handler, run directory, seed
 
     # --- data: every rank encodes the same instances (a few seconds), then takes its batches ----
     tokenizer = SNITokenizer(cfg.data.tokenizer)
@@ -83,15 +77,15 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
     horizon = Horizon(total_steps=total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
-    engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, out_dir, rank=rank,
-                                             world_size=world_size, device=device)
+    engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, run_dir, rank=rank,
+                                                   world_size=world_size, device=device)
     step = 0
     if resume_from is not None:
         step, rank_state = ckpt.load(engine, resume_from)
         restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
     start_step = step
 
-    metrics = open_run_outputs(cfg, ds_config, model_cfg, out_dir, rank=rank)
+    metrics = open_run_outputs(cfg, ds_config, model_cfg, run_dir, rank=rank)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "init": cfg.init,
                           "train_instances": len(examples), "total_steps": total_steps,
                           "deterministic": torch.are_deterministic_algorithms_enabled()})
@@ -103,7 +97,7 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
     def run_eval() -> dict:
         with autocast:
-            result = evaluate_sni(engine.module, eval_set, tokenizer, out_dir=out_dir / "sni_eval" / f"step_{step:08d}",
+            result = evaluate_sni(engine.module, eval_set, tokenizer, out_dir=run_dir.sni_eval_dir(step),
                                   batch_size=cfg.eval.batch_size, rank=rank, world_size=world_size,
                                   max_new_tokens=cfg.eval.max_new_tokens, device=device,
                                   num_beams=cfg.eval.num_beams, length_penalty=cfg.eval.length_penalty)
@@ -182,7 +176,7 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         if rank == 0:
             print(f"SNI test Rouge-L {result['rougeL']:.2f} (exact match {result['exact_match']:.2f}, "
                   f"{result['n_instances']} instances) after {step} steps; predictions and metrics in "
-                  f"{out_dir / 'sni_eval' / f'step_{step:08d}'}", flush=True)
+                  f"{run_dir.sni_eval_dir(step)}", flush=True)
     metrics.log("event", {"step": step, "event": "exit", "exit_code": exit_code})
     metrics.close()
     stop.restore()
@@ -190,8 +184,6 @@ def finetune(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.finetune_config import FinetuneConfig
-
     return launch(finetune, argv, doc=__doc__, default_config="training/configs/sni.yaml", root=FinetuneConfig)
 
 

@@ -1,6 +1,6 @@
 """One place where figures leave the training job: console line, metrics.jsonl and W&B.
 
-Only rank 0 writes. Every record is one JSON object per line in `<output_dir>/metrics.jsonl`
+Only rank 0 writes. Every record is one JSON object per line in the run directory's metrics.jsonl
 with a `kind` ("train", "eval", "event") and a `step`. Training records carry at least `step`,
 `loss`, `lr`, `grad_l2`, `tokens_per_s`; evaluation records `step`, `eval_loss`,
 `eval_accuracy`; event records an `event`: start, resume, first_step (`seconds` to launch this
@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from training.run_dir import RunDir
 
 logger = logging.getLogger("t5ds")
 
@@ -55,21 +57,22 @@ def train_line(record: dict, total_steps: int) -> str:
 class MetricsLogger:
     """Appends records to metrics.jsonl (rank 0) and mirrors them to W&B when enabled."""
 
-    def __init__(self, output_dir: str | Path, *, rank: int, wandb_mode: str = "disabled",
+    def __init__(self, run_dir: RunDir | str | Path, *, rank: int, wandb_mode: str = "disabled",
                  wandb_project: str = "t5ds", run_name: str | None = None, config: dict | None = None):
+        run_dir = RunDir(run_dir)
         self.rank = rank
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = run_dir.metrics_file
         self._wandb = None
         if rank != 0:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.create()
         if wandb_mode != "disabled":
-            self._wandb = self._start_wandb(output_dir, wandb_mode, wandb_project, run_name, config)
+            self._wandb = self._start_wandb(run_dir.path, wandb_mode, wandb_project, run_name, config)
 
     @staticmethod
     def _start_wandb(output_dir, mode, project, run_name, config):
         try:
-            import wandb
+            import wandb  # here: only runs that log to W&B need it, and it is slow to import
         except ImportError:
             logger.warning("wandb is not installed; logging to metrics.jsonl only")
             return None

@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 from training.metrics import read_metrics
+from training.run_dir import RunDir
 
 
 def curves(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]]:
     """{"train": (steps, losses), "eval": (steps, eval_losses)} with duplicates resolved."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = RunDir(run_dir).metrics_file
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass a run directory (output_dir) of training/pretrain.py")
     result = {}
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="loss.png", help="image to write (png, pdf, svg)")
     parser.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
     args = parser.parse_args(argv)
-    try:
+    try:  # matplotlib is optional (the `dev` extra): only this command needs it
         import matplotlib
 
         matplotlib.use("Agg")

@@ -4,9 +4,9 @@
         --deepspeed_config ds_configs/zero2.json [key=value ...]
     python training/pretrain.py --config training/configs/tiny_demo.yaml      # one process
 
-The loop below reads top to bottom: build everything, resume if the run directory holds a
-checkpoint, then train with periodic logging, evaluation and checkpoints until the step count or
-the time budget is reached, or a stop signal asks for a checkpoint and a requeue.
+`train` reads top to bottom: build everything, resume if the run directory holds a checkpoint,
+then train with periodic logging, evaluation and checkpoints until the step count or the time
+budget is reached, or a stop signal asks for a checkpoint and a requeue.
 """
 
 from __future__ import annotations
@@ -23,16 +23,22 @@ import time
 import torch
 
 from training.budget import Horizon, TimeBudget
+from training.compile_settings import log_first_step
+from training.config import RunConfig, eval_batch_size_per_rank, micro_batch_size
+from training.data import PretrainBatches, validation_batches
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
+from training.ds_config import resolve_ds_config
+from training.evaluation import evaluate_span_corruption
 from training.metrics import train_line
+from training.model.flops import model_flops_per_step
 from training.nonfinite_watch import NonfiniteWatch
+from training.optim import weight_l2_norm
 from training.run_setup import (
     begin_run,
     build_model,
     build_optimizer_and_schedule,
     capture_rng_state,
     launch,
-    log_first_step,
     matmul_peak_tflops,
     open_run_outputs,
     replicated_grad_l2,
@@ -45,61 +51,101 @@ from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
 logger = logging.getLogger("t5ds.pretrain")
 
 
-def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
-    """Run (or resume) pre-training; returns the process exit code."""
-    from training.config import eval_batch_size_per_rank, micro_batch_size
-    from training.data import PretrainBatches, validation_batches
-    from training.ds_config import resolve_ds_config
-    from training.evaluation import evaluate_span_corruption
-    from training.model.flops import model_flops_per_step
-    from training.optim import weight_l2_norm
+def span_corruption_data(cfg: RunConfig, model_cfg, dist_info: DistInfo) -> tuple[PretrainBatches, list[dict]]:
+    """This rank's training batches (a resumable stream) and validation batches (a fixed list) of the
+    span-corruption objective over the shards in `data.dir`."""
+    rank, world_size = dist_info.rank, dist_info.world_size
+    objective = {
+        "input_length": cfg.data.input_length, "noise_density": cfg.data.noise_density,
+        "mean_noise_span_length": cfg.data.mean_noise_span_length,
+        "expected_tokenizer_sha256": tokenizer_hash(cfg.data.tokenizer), "vocab_size": model_cfg.vocab_size,
+    }
+    train_batches = PretrainBatches(
+        cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_batch_size(cfg, world_size),
+        grad_acc=cfg.optim.grad_acc, seed=cfg.seed, num_workers=cfg.data.num_workers,
+        # Pinned host memory makes the copy to the GPU asynchronous; a pageable copy would block
+        # the host until the GPU has finished the previous step, so no kernels could be queued ahead.
+        pin_memory=dist_info.device.type == "cuda", **objective,
+    )
+    val_batches = list(validation_batches(
+        cfg.data.dir, rank=rank, world_size=world_size, batch_size=eval_batch_size_per_rank(cfg, world_size),
+        max_samples=cfg.eval.max_samples or None, seed=cfg.seed, **objective,
+    ))
+    return train_batches, val_batches
 
+
+class LogWindow:
+    """What the loop sums up between two log lines."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)  # on the device: adding a step's loss never syncs
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.steps = 0
+        self.data_wait = 0.0  # seconds spent waiting in next(train_batches)
+        self.start = time.perf_counter()
+
+
+def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, clip, window: LogWindow,
+               want_grad_norm: bool):
+    """One optimizer step over `optim.grad_acc` micro-batches; adds its loss to `window`. Returns the
+    gradient norm before clipping where the loop has it (None: the engine's, or none)."""
+    grad_l2 = None
+    for micro in range(cfg.optim.grad_acc):
+        wait_start = time.perf_counter()
+        batch = next(batches)
+        window.data_wait += time.perf_counter() - wait_start
+        out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
+                     labels=batch["labels"].to(device, non_blocking=True), return_logits=False)
+        engine.backward(out.loss)
+        last_micro = micro == cfg.optim.grad_acc - 1
+        if last_micro and engine.zero_optimization_stage() == 0:
+            # ZeRO 1-3 clip inside DeepSpeed and record the pre-clipping norm; with ZeRO 0 the loop
+            # clips (training/grad_clip.py), after the gradients were all-reduced and before the
+            # update, or adamwscale clips inside its step; the norm is read after the update.
+            if clip is not None:
+                clip()
+            elif want_grad_norm:
+                grad_l2 = replicated_grad_l2(model)
+        engine.step()  # DeepSpeed applies the update only at the gradient-accumulation boundary
+        if clip is not None and last_micro:
+            grad_l2 = clip.last_norm()
+        window.loss += out.loss.detach().float() / cfg.optim.grad_acc
+    return grad_l2
+
+
+def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> int:
+    """Run (or resume) pre-training; returns the process exit code."""
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
-    stop, out_dir = begin_run(cfg, rank=rank)  # first: signal handler, output directory, seed
+    stop, run_dir = begin_run(cfg, rank=rank)  # first: signal handler, run directory, seed
 
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
     model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
-    micro_bs = micro_batch_size(cfg, world_size)
-    tokenizer_sha = tokenizer_hash(cfg.data.tokenizer)
-    train_batches = PretrainBatches(
-        cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_bs,
-        grad_acc=cfg.optim.grad_acc, seed=cfg.seed, input_length=cfg.data.input_length,
-        noise_density=cfg.data.noise_density, mean_noise_span_length=cfg.data.mean_noise_span_length,
-        expected_tokenizer_sha256=tokenizer_sha, vocab_size=model_cfg.vocab_size,
-        num_workers=cfg.data.num_workers,
-        # Pinned host memory makes the copy to the GPU asynchronous; a pageable copy would block
-        # the host until the GPU has finished the previous step, so no kernels could be queued ahead.
-        pin_memory=device.type == "cuda",
-    )
-    target_length = train_batches.target_length
+    train_batches, val_batches = span_corruption_data(cfg, model_cfg, dist_info)
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
-    engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, out_dir, rank=rank,
-                                             world_size=world_size, device=device)
+    engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, run_dir, rank=rank,
+                                                   world_size=world_size, device=device)
 
     # --- resume -----------------------------------------------------------------------------
-    step, elapsed_before = 0, 0.0
+    step, elapsed_before, skipped_before = 0, 0.0, 0
     if resume_from is not None:
         step, rank_state = ckpt.load(engine, resume_from)
         train_batches.load_state_dict(rank_state["data"])
         restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
         elapsed_before = rank_state.get("elapsed_s", 0.0)
         horizon.total_steps = rank_state.get("horizon_steps", horizon.total_steps)
+        skipped_before = rank_state.get("skipped_steps", 0)
     start_step = step
     budget = TimeBudget(cfg.budget.hours, elapsed_before_s=elapsed_before)
 
-    metrics = open_run_outputs(cfg, ds_config, model_cfg, out_dir, rank=rank)
+    metrics = open_run_outputs(cfg, ds_config, model_cfg, run_dir, rank=rank)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "world_size": world_size,
                           "parameters": sum(p.numel() for p in model.parameters()),
                           "deterministic": torch.are_deterministic_algorithms_enabled()})
-
-    val_batches = list(validation_batches(
-        cfg.data.dir, rank=rank, world_size=world_size, batch_size=eval_batch_size_per_rank(cfg, world_size),
-        max_samples=cfg.eval.max_samples or None, seed=cfg.seed, input_length=cfg.data.input_length,
-        noise_density=cfg.data.noise_density, mean_noise_span_length=cfg.data.mean_noise_span_length,
-        expected_tokenizer_sha256=tokenizer_sha, vocab_size=model_cfg.vocab_size,
-    ))
 
     def run_eval() -> dict:
         result = evaluate_span_corruption(engine, val_batches, device)
@@ -117,44 +163,23 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
         metrics.log("event", {"step": step, "event": "checkpoint", "path": str(path)})
 
     # --- the loop ---------------------------------------------------------------------------
+    target_length = train_batches.target_length
     tokens_per_step = cfg.optim.batch_size * (cfg.data.input_length + target_length)
     flops_per_step = model_flops_per_step(model_cfg, cfg.optim.batch_size, cfg.data.input_length, target_length)
     peak_tflops = matmul_peak_tflops(device)  # None on CPU: MFU is reported on GPUs only
     exit_code = 0
-    skips = NonfiniteWatch(optimizer, engine,
-                           skipped_before=rank_state.get("skipped_steps", 0) if resume_from is not None else 0)
-    window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.perf_counter()
-    window_data_wait = 0.0  # seconds spent waiting in next(train_batches) in this logging window
+    skips = NonfiniteWatch(optimizer, engine, skipped_before=skipped_before)
+    window = LogWindow(device)
     first_step = step
     engine.train()
     while step < horizon.total_steps:
         log_now = (step + 1) % cfg.logging.every_steps == 0 or step + 1 == horizon.total_steps
-        grad_l2 = None
-        for micro in range(cfg.optim.grad_acc):
-            wait_start = time.perf_counter()
-            batch = next(train_batches)
-            window_data_wait += time.perf_counter() - wait_start
-            out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
-                         labels=batch["labels"].to(device, non_blocking=True), return_logits=False)
-            engine.backward(out.loss)
-            last_micro = micro == cfg.optim.grad_acc - 1
-            if last_micro and engine.zero_optimization_stage() == 0:
-                # ZeRO 1-3 clip inside DeepSpeed and record the pre-clipping norm; with ZeRO 0 the loop
-                # clips (training/grad_clip.py), after the gradients were all-reduced and before the
-                # update, or adamwscale clips inside its step; the norm is read after the update.
-                if clip is not None:
-                    clip()
-                elif log_now:
-                    grad_l2 = replicated_grad_l2(model)
-            engine.step()  # DeepSpeed applies the update only at the gradient-accumulation boundary
-            if clip is not None and last_micro:
-                grad_l2 = clip.last_norm()
-            window_loss += out.loss.detach().float() / cfg.optim.grad_acc
+        grad_l2 = train_step(engine, model, train_batches, cfg, device, clip, window, want_grad_norm=log_now)
         step += 1
-        window_steps += 1
+        window.steps += 1
         budget.mark_step(step)
         if step == first_step + 1:
-            log_first_step(metrics, step, time.perf_counter() - window_start)  # no window logged yet
+            log_first_step(metrics, step, time.perf_counter() - window.start)  # no window logged yet
 
         # Non-finite loss or gradient: the update was skipped (by our optimizer or by DeepSpeed's
         # bf16/fp16 wrappers). adamwscale reports it a step late, which keeps the GPU from waiting.
@@ -169,9 +194,9 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             exit_code = EXIT_NONFINITE
             break
 
-        if step % cfg.logging.every_steps == 0 or step == horizon.total_steps:
-            loss = all_reduce_sum([window_loss.item()], device)[0] / (world_size * window_steps)
-            seconds_per_step = (time.perf_counter() - window_start) / window_steps
+        if log_now:
+            loss = all_reduce_sum([window.loss.item()], device)[0] / (world_size * window.steps)
+            seconds_per_step = (time.perf_counter() - window.start) / window.steps
             if grad_l2 is None:
                 grad_l2 = engine.get_global_grad_norm()
             record = {
@@ -183,14 +208,13 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
                 else flops_per_step / seconds_per_step / (peak_tflops * 1e12 * world_size),
                 "skipped_steps": skips.skipped, "elapsed_s": budget.elapsed_s(),
                 # seconds per step this rank waited for the loader (0 when it keeps ahead of the GPU)
-                "data_wait_s": window_data_wait / window_steps,
+                "data_wait_s": window.data_wait / window.steps,
             }
             if device.type == "cuda":  # the most any rank has held (ZeRO 3 partitions are uneven)
                 record["peak_mem_gib"] = all_reduce_max(torch.cuda.max_memory_allocated(device) / 2**30, device)
             metrics.log("train", record)
             logger.info(train_line(record, horizon.total_steps))
-            window_loss.zero_()
-            window_steps, window_data_wait, window_start = 0, 0.0, time.perf_counter()
+            window.reset()
 
         if cfg.budget.hours is not None and budget.check(step, cfg.optim.total_steps, horizon):
             logger.info("time budget of %.2f h spent at step %d", cfg.budget.hours, step)
@@ -211,7 +235,7 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
             save_checkpoint()
         if rank == 0:
             print(f"held-out loss {result['eval_loss']:.4f} (token accuracy {result['eval_accuracy']:.4f}, "
-                  f"{result['eval_tokens']} target tokens) after {step} steps; run directory {out_dir}", flush=True)
+                  f"{result['eval_tokens']} target tokens) after {step} steps; run directory {run_dir}", flush=True)
     metrics.log("event", {"step": step, "event": "exit", "exit_code": exit_code})
     metrics.close()
     stop.restore()
@@ -219,8 +243,6 @@ def train(cfg, ds_config_path: str | None, dist_info: DistInfo) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from training.config import RunConfig
-
     return launch(train, argv, doc=__doc__, default_config="training/configs/t5_base_c4.yaml", root=RunConfig)
 
 

@@ -10,7 +10,7 @@ partitions ("size mismatch, got input (65536x768), vec (0)", DeepSpeed 0.19.8, t
 - "blocks" (default): every `T5Block` becomes a ZeRO 3 *leaf module* (DeepSpeed gathers all of a
   block's parameters in one coalesced all-gather when the block is called, and registers no hooks
   inside it), and each block's forward is compiled as one graph (fullgraph), with the inductor
-  settings of the whole-model compile (`training.run_setup.compile_options`) except PDL. The hooks
+  settings of the whole-model compile (`training.compile_settings.compile_options`) except PDL. The hooks
   run around the compiled call, so the graph always sees whole parameters. Everything outside the blocks
   (embeddings, the final RMS norms, the head and its loss) stays eager; the final norms are compiled on
   their own. Incremental decoding (a key/value cache) runs the eager forward.
@@ -20,8 +20,8 @@ partitions ("size mismatch, got input (65536x768), vec (0)", DeepSpeed 0.19.8, t
 Call `prepare_for_zero3` before `deepspeed.initialize`: DeepSpeed reads the leaf flags when it
 registers its hooks. For "blocks" it also turns off DeepSpeed's `memory_efficient_linear` (its
 replacement of `torch.nn.functional.linear`): that autograd function reads each weight's `ds_id`,
-which dynamo guards on as a constant, so every block recompiled until the recompile limit (8) stopped
-the run (seen on the GPU). Inside a compiled block the weights' bf16 casts are what the backward
+which dynamo guards on as a constant, so with it every block recompiles until the recompile limit (8)
+stops the run. Inside a compiled block the weights' bf16 casts are what the backward
 keeps, as with the eager autocast.
 """
 
@@ -31,7 +31,8 @@ import logging
 
 import torch
 
-from training.run_setup import compile_options
+from training.compile_settings import compile_options
+from training.model.t5 import T5Block, rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,10 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
         model.compile_pointwise()
         return 0
 
+    # deepspeed imports here: it takes seconds, and only a ZeRO 3 run with "blocks" needs it.
     from deepspeed.runtime.zero import register_external_parameter
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
     from deepspeed.utils import set_z3_leaf_modules
-
-    from training.model.t5 import T5Block, rms_norm
 
     ds_config.setdefault("zero_optimization", {})["memory_efficient_linear"] = False
     original_linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
@@ -62,7 +62,7 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
     # Every block shares one code object (T5Block.forward), so dynamo's recompile limit counts the
     # variants of all of them together: {encoder, decoder} x {train, no_grad} x {with, without key
     # mask} x {static, dynamic lengths} = 16 at most. 32 leaves room and still stops a per-block
-    # recompile (48 blocks in XL) early, as the ds_id guard above would have caused.
+    # recompile (48 blocks in XL) early, as the ds_id guard above would cause.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     norm = torch.compile(rms_norm, backend=backend)
     compiled = 0
@@ -81,10 +81,9 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
 
 def _compiled_block_forward(block: torch.nn.Module, backend: str):
     eager = block.forward
-    # Inductor gets the settings the whole-model compile runs with (training.run_setup), less PDL:
-    # between the blocks run DeepSpeed's gathers on their own streams, and PDL was measured only on
-    # the ZeRO 0-2 whole-model graph (docs/model_speed.md, rows 121-130). Other backends (tests use
-    # "aot_eager") take no inductor options.
+    # Inductor gets the settings the whole-model compile runs with (training.compile_settings), less
+    # PDL: between the blocks run DeepSpeed's gathers on their own streams, and PDL is measured only on
+    # the ZeRO 0-2 whole-model graph. Other backends (tests use "aot_eager") take no inductor options.
     options = compile_options(pdl=False) if backend == "inductor" else None
     compiled = torch.compile(eager, fullgraph=True, backend=backend, options=options)
 

@@ -2,7 +2,7 @@
 gathered without duplicates or losses, scored with the official metric, written to disk.
 
     eval_set = build_eval_set("/work/shared/data/sni", tokenizer)          # once
-    metrics = evaluate_sni(model, eval_set, tokenizer, out_dir=run_dir / "sni_eval" / f"step{step}",
+    metrics = evaluate_sni(model, eval_set, tokenizer, out_dir=run_dir.sni_eval_dir(step),
                            batch_size=32, rank=rank, world_size=world_size)  # every rank calls it
 
 Every rank generates for its share (instances sorted by prompt length, rank r takes every
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from training.sni.encoding import EOS_ID, EncodedExample, SNITokenizer, TemplateConfig, collate, encode_tasks
 from training.sni.rouge import Reference, sni_metrics
@@ -162,8 +163,6 @@ def gather_predictions(local: dict[str, str], world_size: int = 1, group=None) -
     """Union of every rank's predictions (on every rank); an id predicted twice raises."""
     if world_size == 1:
         return dict(local)
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise RuntimeError(f"world_size={world_size} but torch.distributed is not initialised")
     parts: list = [None] * world_size
@@ -259,8 +258,6 @@ def evaluate_sni(
             metrics["eval_seconds"],
         )
     if world_size > 1:
-        import torch.distributed as dist
-
         box = [metrics]
         dist.broadcast_object_list(box, src=0, group=group)
         metrics = box[0]

@@ -1,0 +1,83 @@
+"""How the model is compiled: torch.compile's options for it, the whole-forward compile of ZeRO 0-2,
+and what AOTAutograd's compile cache did for the first step.
+
+training/run_setup.py compiles the forward with `compile_forward`; training/zero3_compile.py compiles
+the T5 blocks under ZeRO 3 with the same `compile_options` (less PDL); the step benchmark
+(`python -m training.benchmark`) uses them too, so that it measures what training runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch._inductor.config as inductor_config
+from torch._dynamo.utils import counters
+from torch._inductor import list_mode_options
+
+logger = logging.getLogger(__name__)
+
+# Inductor settings the compiled model runs with, on top of those of torch.compile's mode.
+# reorder_for_peak_memory: with the model's own Triton ops in the graph (training/model/
+# triton_add_norm.py), inductor's memory-aware reordering moves the weights' bf16 casts (about 130
+# small kernels) ahead of the forward's first GEMM; after each synchronisation the GPU then waits
+# ~6 ms for the host to launch them. Without it they stay next to their GEMMs, at the same peak
+# memory (T5 base on an H100).
+MODEL_INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
+
+# Programmatic dependent launch (PDL) of inductor's Triton kernels: on Hopper and newer GPUs each of
+# them is launched while the kernel ahead of it is still running, and waits on the GPU (griddepcontrol)
+# before it touches what that kernel wrote. That hides part of the ~1.5 us the GPU idles at each of a
+# step's ~1870 kernel boundaries. Inductor emits it only for CUDA devices of compute capability 9 or
+# more; elsewhere the setting changes nothing. T5 base, measured on three H100s: 0.5-0.8 ms a step less
+# by the host clock, the same bits.
+INDUCTOR_PDL_OPTION = "triton.enable_pdl"
+
+
+def compile_options(mode: str = "default", pdl: bool = True) -> dict:
+    """torch.compile `options` for the model: those of `mode` plus MODEL_INDUCTOR_OPTIONS (torch.compile
+    takes a mode or options, not both), and PDL (INDUCTOR_PDL_OPTION) where this torch has it (torch
+    2.11 has it; torch.compile refuses options it does not know) unless `pdl` is False."""
+    options = {**list_mode_options(mode), **MODEL_INDUCTOR_OPTIONS}  # "default": {}
+    if _inductor_has(INDUCTOR_PDL_OPTION):
+        options[INDUCTOR_PDL_OPTION] = pdl
+    return options
+
+
+def _inductor_has(option: str) -> bool:
+    """Whether this torch's inductor has the setting `option` (a dotted name, as torch.compile takes it)."""
+    return option in inductor_config.get_config_copy()
+
+
+def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:
+    """Compile the model's forward only, as one graph (fullgraph: a graph break is an error, not a
+    slowdown), in torch.compile's `mode` (with `compile_options`); DeepSpeed's module hooks stay
+    outside it. Parameter names are unchanged."""
+    model.forward = torch.compile(model.forward, fullgraph=True, options=compile_options(mode))
+
+
+def compile_cache_outcomes() -> dict[str, int]:
+    """How often AOTAutograd's compile cache hit, missed or stepped aside ("bypass") in this process so
+    far, nonzero counts only: {} where nothing was compiled (CPU runs, `model.compile=false`)."""
+    cache = counters["aot_autograd"]
+    return {k: cache[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass") if cache[f"autograd_cache_{k}"]}
+
+
+def log_first_step(metrics, step: int, seconds: float) -> None:
+    """Records how long this process's first training step took to launch, torch.compile included,
+    and what the compile cache did for it: an "event" record `first_step` in `metrics` (a
+    MetricsLogger) and one log line (the first logging window's seconds/step averages it away)."""
+    outcomes = compile_cache_outcomes()
+    metrics.log("event", {"step": step, "event": "first_step", "seconds": seconds, "compile_cache": outcomes})
+    if not outcomes:
+        logger.info("first step launched in %.1f s", seconds)
+        return
+    cache = ", ".join(f"{k} {n}" for k, n in outcomes.items())
+    hint = ""
+    if "bypass" in outcomes:  # e.g. an autograd.Function or an autocast context inside the graph
+        hint = (" The cache stepped aside for part of it, so every run compiles that part again "
+                "(an autograd.Function or an autocast context inside the compiled graph does that).")  # fmt: skip
+    elif "hit" not in outcomes:  # compiled from scratch
+        hint = (" A later run of the same code, model and shapes on this machine loads it from "
+                "TORCHINDUCTOR_CACHE_DIR instead (default /tmp/torchinductor_$USER).")  # fmt: skip
+    logger.info("first step launched in %.1f s, torch.compile included (compile cache: %s).%s", seconds, cache, hint)
