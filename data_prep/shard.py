@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from data_prep import __version__
 from data_prep.chunk_encoding import init_worker, iter_chunks, ordered_results
@@ -274,8 +276,6 @@ def _run_split(
     documents, records = state["documents"], state["records"]
     position = tuple(state["position"])
 
-    from tqdm import tqdm
-
     bar = tqdm(desc=split, unit="doc", file=sys.stderr, disable=not cfg.progress, mininterval=1.0)
     t0, tokens_done = time.perf_counter(), 0
     window = max(1, cfg.workers) * _WINDOW_PER_WORKER
@@ -401,8 +401,6 @@ def run_sharding(cfg: ShardConfig) -> dict:
 
     executor = None
     if cfg.workers > 0:
-        import multiprocessing
-
         executor = ProcessPoolExecutor(
             cfg.workers,
             mp_context=multiprocessing.get_context("spawn"),

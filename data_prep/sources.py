@@ -249,7 +249,7 @@ def _iter_paragraphs(path: str, start: int) -> Iterator[Record]:
 
 
 def _iter_parquet(path: str, text_field: str, start: int) -> Iterator[Record]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # here: slow to import, and only parquet inputs need it
 
     pf = pq.ParquetFile(path)
     columns = pf.schema_arrow.names
@@ -348,7 +348,7 @@ class HFSource:
         return FMT_VALUE
 
     def iter_unit(self, unit: int, start: int = 0) -> Iterator[Record]:
-        from datasets import load_dataset
+        from datasets import load_dataset  # here: slow to import, and only hub datasets need it
 
         ds = load_dataset(self.name, self.config, split=self.split, streaming=True, revision=self.revision)
         if start:

@@ -25,6 +25,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import sentencepiece as spm
+
+from data_prep.sources import payload_to_text, resolve_source
+
 logger = logging.getLogger(__name__)
 
 NUM_SENTINELS = 100
@@ -98,7 +102,7 @@ class Tokenizer:
         self._sp = None
         self._hf = None
         if os.path.isdir(path):
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # here: slow to import, and only HF tokenizers need it
 
             self._hf = AutoTokenizer.from_pretrained(path)
             eos, pad = self._hf.eos_token_id, self._hf.pad_token_id
@@ -110,8 +114,6 @@ class Tokenizer:
                 path, "huggingface", hf_tokenizer_sha256(path), len(self._hf), int(eos), int(pad or 0)
             )
         else:
-            import sentencepiece as spm
-
             self._sp = spm.SentencePieceProcessor(model_file=path)
             eos = self._sp.eos_id()
             if eos < 0:
@@ -155,8 +157,6 @@ def tokenize_documents(texts: Iterable[str], tokenizer: Tokenizer, add_eos: bool
 
 def _iter_training_sentences(input_glob: str, text_field: str, txt_mode: str, max_docs: int) -> Iterator[str]:
     """Lines of the documents of `input_glob` (SentencePiece trains on sentences, not whole documents)."""
-    from data_prep.sources import payload_to_text, resolve_source
-
     source = resolve_source(input_glob, kind="files", text_field=text_field, txt_mode=txt_mode)
     docs = 0
     for unit in range(source.num_units):
@@ -194,8 +194,6 @@ def train_sentencepiece(
     The 100 sentinels are not pieces of the model: the model side assigns `<extra_id_k>` =
     vocab_size + 99 - k, as T5 does. Returns the info of the written `{output_prefix}.model`.
     """
-    import sentencepiece as spm
-
     if vocab_size < 8:
         raise ValueError(f"vocab_size must be >= 8, got {vocab_size}")
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from training.distributed import control_group
+
 # Re-estimate the horizon only after this many steps of the current process, so compile and
 # loader warm-up do not make the first estimate pessimistic.
 _MIN_STEPS_FOR_ESTIMATE = 5
@@ -62,8 +64,6 @@ class TimeBudget:
         """Update `horizon` from rank 0's estimate; True (on every rank) when the budget is spent."""
         view = torch.tensor(self._local_view(step, max_steps), dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            from training.distributed import control_group
-
             dist.broadcast(view, src=0, group=control_group())
         spent, total = view.tolist()
         horizon.total_steps = max(int(total), step + 1) if not spent else max(step, 1)

@@ -70,7 +70,7 @@ def disable_deepspeed_shm_comm() -> None:
     calls. Its /dev/shm segments are named by address and port and outlive the processes, so a later
     job on a reused port can attach to a stale one. Call before deepspeed.init_distributed.
     """
-    import deepspeed.ops
+    import deepspeed.ops  # here, as in init_distributed: importing deepspeed takes seconds
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 

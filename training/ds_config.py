@@ -208,7 +208,7 @@ def resolve_ds_config(
     if device_type is None:
         device_type = cfg.device
         if device_type == "auto":
-            import torch
+            import torch  # here: the rest of this module reads json only, and torch takes seconds to import
 
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
     use_bf16 = cfg.precision == "bf16" and device_type != "cpu"

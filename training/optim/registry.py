@@ -53,6 +53,7 @@ class GuardedAdamW(PartitionAwareMixin, torch.optim.AdamW):
 
 @functools.cache
 def _adafactor_class() -> type:
+    # Built on first use: transformers takes about a second to import, and only adafactor needs it.
     from transformers.optimization import Adafactor
 
     class GuardedAdafactor(PartitionAwareMixin, Adafactor):

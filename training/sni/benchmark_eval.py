@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from training.evaluate_sni import load_model_for_eval
+from training.model import T5Config, T5ForConditionalGeneration
 from training.sni.encoding import SNITokenizer
 from training.sni.evaluate import build_eval_set, generate_predictions
 
@@ -43,12 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     eval_set = build_eval_set(args.data, tokenizer)
     examples = random.Random(0).sample(eval_set.examples, min(args.instances, len(eval_set.examples)))
     if args.checkpoint:
-        from training.evaluate_sni import load_model_for_eval
-
         model = load_model_for_eval(args.checkpoint, device=device, dtype=dtype)
     else:
-        from training.model import T5Config, T5ForConditionalGeneration
-
         torch.manual_seed(0)
         model = (
             T5ForConditionalGeneration(T5Config.from_preset(args.preset))

@@ -3,8 +3,8 @@
 The template reproduces `DataCollatorForNI.__call__` of Tk-Instruct (`src/ni_collator.py`, copied
 verbatim into nanoT5's `nanoT5/utils/copied_utils.py`) with nanoT5's fine-tuning settings
 (add_task_definition=True, num_pos_examples=2, num_neg_examples=0, add_explanation=False,
-add_task_name=False, max_source_length=1024, max_target_length=128). docs/finetune_sni.md quotes
-the lines matched. Tokenisation reproduces Hugging Face's T5 tokenizer: SentencePiece pieces + EOS
+add_task_name=False, max_source_length=1024, max_target_length=128); tests/test_sni_data.py checks
+real tasks' prompts against it. Tokenisation reproduces Hugging Face's T5 tokenizer: SentencePiece pieces + EOS
 (`tokenizer(text)["input_ids"]`), truncation to max_length keeps max_length - 1 pieces + EOS, and
 `decode(ids, skip_special_tokens=True)` drops pad/EOS/UNK/sentinels and applies HF's
 `clean_up_tokenization` (the default of the transformers versions Tk-Instruct and nanoT5 used).
@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import sentencepiece as spm
 import torch
 
 from training.sni.tasks import SNIInstance, SNITask
@@ -66,8 +67,6 @@ class SNITokenizer:
     """The T5 SentencePiece model, used the way HF's T5 tokenizer uses it (EOS appended, no BOS)."""
 
     def __init__(self, spiece_path: str | os.PathLike | None = None) -> None:
-        import sentencepiece as spm
-
         path = str(spiece_path if spiece_path is not None else DEFAULT_SPIECE)
         if not os.path.isfile(path):
             raise FileNotFoundError(

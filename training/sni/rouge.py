@@ -1,7 +1,7 @@
 """The official SNI metrics: Rouge-L and exact match, max over references, mean over instances, x100.
 
 Reproduces `eval/automatic/evaluation.py` of allenai/natural-instructions and Tk-Instruct's
-`src/compute_metrics.py` (the same functions; docs/finetune_sni.md quotes them):
+`src/compute_metrics.py` (the two define the same functions):
 
 * `rouge`: `rouge_scorer.RougeScorer(['rougeL'], use_stemmer=True)` (rouge-score's default
   tokenizer: lowercase, non [a-z0-9] -> space, Porter stemmer on tokens longer than 3 characters),
@@ -26,6 +26,8 @@ import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from rouge_score import rouge_scorer
+
 logger = logging.getLogger(__name__)
 
 _PUNCTUATION = set(string.punctuation)
@@ -46,7 +48,7 @@ class _GPTTokenizer:
     """The xlingual tokenizer of the official script: GPT-2 BPE tokens with the "Ġ" space mark removed."""
 
     def __init__(self) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # here: slow to import, and only the xlingual track needs it
 
         try:
             self._tok = AutoTokenizer.from_pretrained("gpt2")
@@ -64,16 +66,13 @@ class RougeL:
     """Rouge-L F-measure as the official script computes it, one scorer per track (built once)."""
 
     def __init__(self) -> None:
-        from rouge_score import rouge_scorer
-
-        self._rouge_scorer = rouge_scorer
         self._default = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
         self._xlingual = None
 
     def __call__(self, prediction: str, reference: str, xlingual: bool = False) -> float:
         if xlingual:
             if self._xlingual is None:
-                self._xlingual = self._rouge_scorer.RougeScorer(["rougeL"], tokenizer=_GPTTokenizer())
+                self._xlingual = rouge_scorer.RougeScorer(["rougeL"], tokenizer=_GPTTokenizer())
             scorer = self._xlingual
         else:
             scorer = self._default
