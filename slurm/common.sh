@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Shared logic of the t5ds sbatch scripts (sourced by slurm/*.sbatch, not run on its own).
 #
-# What a job does (docs/slurm.md explains why):
+# What a job does (docs/zero_and_slurm.md explains why):
 #   1. cd to the repository (T5DS_REPO, else the directory sbatch was run from), run the site hook
 #      (SITE_ENV: a file to source for `module load` / conda / container setup; VENV: a venv to activate);
 #   2. derive the rendezvous: MASTER_ADDR = first node of the allocation, MASTER_PORT from the job id;

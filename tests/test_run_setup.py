@@ -89,7 +89,7 @@ def test_compiled_training_forward_comes_back_from_the_autograd_cache(compile_ca
 
     # One CPU thread: inductor's C++ backward adds scattered gradients (the embedding's, the bias
     # table's) with atomics across OpenMP threads, so with two threads the order of those adds, and
-    # the gradients' last bits, varied with the machine's load (a CI run failed here once).
+    # the gradients' last bits, vary with the machine's load.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -107,8 +107,7 @@ def test_instance_selection_is_seeded_and_tk_instruct_like():
 
 @pytest.mark.parametrize("task_name", sorted(GOLDEN))
 def test_golden_prompts(tokenizer, task_name):
-    """The first instance of three real tasks, checked by hand against Tk-Instruct's ni_collator.py
-    (docs/finetune_sni.md quotes the lines)."""
+    """The first instance of three real tasks, checked by hand against Tk-Instruct's ni_collator.py."""
     task = load_sni(SNI_ASSETS, "test", tasks=[task_name])[0]
     golden = (SNI_ASSETS / GOLDEN[task_name]).read_text(encoding="utf-8")
     source = encode_source(task, task.instances[0].input, tokenizer, TemplateConfig())

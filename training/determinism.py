@@ -1,7 +1,6 @@
 """Bit-identical GPU runs: what the run config's `deterministic` switches on.
 
-Without it, two GPU runs from the same seed and data drift apart within tens of steps
-(docs/performance.md): the embedding's and the relative-bias table's gradients are scatter-adds,
+Without it, two GPU runs from the same seed and data drift apart within tens of steps: the embedding's and the relative-bias table's gradients are scatter-adds,
 which inductor compiles to atomic adds that sum in whatever order the threads arrive. With it:
 
 - `torch.use_deterministic_algorithms(True)`: inductor then lowers those scatter-adds to torch's
@@ -10,11 +9,10 @@ which inductor compiles to atomic adds that sum in whatever order the threads ar
 - torch's filling of every uninitialised tensor with NaN, which the mode turns on as a debugging
   aid, is turned off again: it changes no result and costs a write of every new buffer.
 
-Our fused attention is deterministic on its default paths; its `atomic` bias-gradient path is not,
-and raises under this mode (`training/model/triton_attention.py`). The residual add + RMS norm
-kernels (`training/model/triton_add_norm.py`) use no atomics: each program sums its own rows' weight
-gradient, and torch sums those partial sums. The cost in step time is in
-docs/performance.md.
+Our fused attention (`training/model/triton_attention.py`) sums the bias gradient over the batch in
+a fixed order, without atomics. The residual add + RMS norm kernels (`training/model/triton_add_norm.py`)
+use no atomics either: each program sums its own rows' weight gradient, and torch sums those partial
+sums. The cost: ~3% slower steps for T5 base on an H100.
 """
 
 from __future__ import annotations

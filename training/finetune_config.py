@@ -62,7 +62,7 @@ class SNIEvalConfig:
     max_tasks: int | None = None
     """Only the first N test tasks (quick checks); None = all 119."""
     batch_size: int = 128
-    """Generation batch per rank (sequences); larger is faster on a GPU (docs/finetune_sni.md)."""
+    """Generation batch per rank (sequences); larger is faster on a GPU, up to its memory."""
     max_new_tokens: int = 128
     """Decoding length limit in tokens (Tk-Instruct: 128)."""
     num_beams: int = 1
@@ -91,7 +91,7 @@ class FinetuneConfig:
     """Seeds initialisation, task shuffles, label choice and batch order."""
     deterministic: bool = False
     """Bit-identical GPU runs from the same seed (training/determinism.py; slower steps, as in
-    pre-training: docs/performance.md)."""
+    pre-training)."""
     device: str = "auto"
     """auto | cuda | cpu."""
     precision: str = "bf16"

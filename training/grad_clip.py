@@ -13,8 +13,8 @@ When the optimizer can clip inside its own step (`AdamWScale.max_grad_norm`), `G
 clipping to it instead: the step then reads every gradient once for the norm (which also serves as
 its non-finite check) and scales the gradients inside its fused update, where clipping first reads
 and writes every gradient once more and the guard reads them again (T5 base on an H100: 0.7 ms a
-step less by CUDA events, 1.4 ms on the host clock; docs/model_speed.md rows 44-45). The loop's calls are
-the same either way: `clip()` before `engine.step()`, `clip.last_norm()` after it.
+step less by CUDA events, 1.4 ms on the host clock). The loop's calls are the same either way:
+`clip()` before `engine.step()`, `clip.last_norm()` after it.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GradClip:
 def loop_clip(ds_config: dict, model: torch.nn.Module, optimizer=None) -> GradClip | None:
     """The loop's `GradClip` when DeepSpeed would clip with its per-parameter loop (ZeRO 0, fp32 or
     torch_autocast, clipping on); None when DeepSpeed clips, or nothing does. When it returns a
-    clip, hand DeepSpeed the config with `gradient_clipping: 0` (training/run_setup.start_engine).
+    clip, hand DeepSpeed the config with `gradient_clipping: 0` (training.run_setup.start_engine does).
     Given the run's `optimizer` and one that can clip inside its step (adamwscale), it clips there."""
     max_norm = float(ds_config.get("gradient_clipping") or 0.0)
     fp16 = (ds_config.get("fp16") or {}).get("enabled") is True
