@@ -30,6 +30,7 @@ from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.ds_config import resolve_ds_config
 from training.evaluation import evaluate_span_corruption
 from training.metrics import train_line
+from training.model.config import T5Config
 from training.model.flops import model_flops_per_step
 from training.nonfinite_watch import NonfiniteWatch
 from training.optim import weight_l2_norm
@@ -51,7 +52,7 @@ from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
 logger = logging.getLogger("t5ds.pretrain")
 
 
-def span_corruption_data(cfg: RunConfig, model_cfg, dist_info: DistInfo) -> tuple[PretrainBatches, list[dict]]:
+def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, dist_info: DistInfo) -> tuple[PretrainBatches, list[dict]]:
     """This rank's training batches (a resumable stream) and validation batches (a fixed list) of the
     span-corruption objective over the shards in `data.dir`."""
     rank, world_size = dist_info.rank, dist_info.world_size
