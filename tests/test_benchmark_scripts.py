@@ -1,7 +1,7 @@
 """The benchmark scripts (benchmarks/): wave planning, scaling arithmetic, real CPU runs of
 benchmarks/scaling.py (tiny model, gloo, 1 and 2 processes; the losses must agree),
-reshard_resume.py and convergence.py, the SNI generation benchmark, and the GPU-only scripts' message
-on a CPU machine."""
+reshard_resume.py and convergence.py, the SNI generation and sharding benchmarks, and the GPU-only
+scripts' message on a CPU machine."""
 
 from __future__ import annotations
 
@@ -189,3 +189,15 @@ def test_convergence_script_on_cpu(shards, tmp_path):
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"done: a seed 1: held-out loss {rows[('a', 1)]['final_eval_loss']:.4f} at step 4" in again.stdout
     assert len(list((out / "a_seed1").glob("metrics.cut_short.*.jsonl"))) == 1
+
+
+def test_sharding_benchmark_runs_on_cpu():
+    """`python -m data_prep.benchmark` on the bundled C4 sample without a pool: one row of positive
+    rates for the worker count asked for."""
+    r = subprocess.run([sys.executable, "-m", "data_prep.benchmark", "--workers", "0", "--copies", "1",
+                        "--repeats", "1"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-800:]
+    lines = r.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.split()[:2] == ["workers", "wall"]))
+    cells = lines[header + 1].split()
+    assert cells[0] == "0" and len(cells) == 10 and all(float(c) > 0 for c in cells[1:6])
