@@ -18,7 +18,7 @@ whose metrics.jsonl already holds the last evaluation is not run again, so a com
 split over several invocations with the same --out (each run's figures come from its own
 metrics.jsonl); a run cut short starts over, its records moved aside. A directory holding a run of
 another configuration (schedule, seed or overrides: its config.yaml says) stops the script before
-anything runs there. --table-only prints the table of what --out holds without running anything. docs/performance.md has the comparisons made with it.
+anything runs there. --table-only prints the table of what --out holds without running anything.
 """
 
 from __future__ import annotations

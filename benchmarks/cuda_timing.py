@@ -1,27 +1,10 @@
-"""Timing of one GPU call for the benchmark scripts: the median of per-call CUDA-event times, or the
-profiler's device time of the kernels a call runs."""
+"""GPU time of one call for the benchmark scripts and tools/: the profiler's device time of the
+kernels the call runs."""
 
 from __future__ import annotations
 
-import statistics
-
 import torch
-
-
-def median_cuda_ms(fn, iters: int, warmup: int = 2) -> float:
-    """Milliseconds per call of `fn`: `warmup` untimed calls, then the median of `iters` calls, each
-    between two CUDA events and waited for (so the host's launch time is not what is measured)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from torch.profiler import ProfilerActivity, profile
 
 
 def kernel_ms(fn, iters: int) -> float:
@@ -33,8 +16,6 @@ def kernel_ms(fn, iters: int) -> float:
 
 def kernel_table(fn, iters: int) -> dict[str, float]:
     """`kernel_ms` by kernel: {kernel name: its GPU ms per call}, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -5,8 +5,8 @@ run: seconds/step (median of the logging windows after the first two, which hold
 tokens/s, MFU, peak GPU memory, the time each step waited for the loader, and the last loss. The
 same global batch and seed everywhere, so the stages see the same data; their bf16 steps still
 differ in rounding (each stage sums and casts the gradients its own way), so on a short run at
-nanoT5's learning rate the last losses drift apart (docs/performance.md, "Engine", has a pair).
-Equality across stages is tested on CPU in fp32 (tests/test_optim_zero.py).
+nanoT5's learning rate the last losses drift apart. Equality across stages is tested on CPU in fp32
+(tests/test_optim_zero.py).
 
     python benchmarks/engine_step.py --data DIR [--configs zero0,zero1,zero2] [--steps 60]
         [--nproc 1] [--out runs/bench] [key=value ...]       # extra run-config overrides

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The multi-GPU measurements of docs/performance.md, on one machine of 4 GPUs, in two parts (each
-# fits a 10-minute slot; the second reuses the shards and the compile cache of the first when $WORK
-# survives between them, and makes its own otherwise).
+# The multi-GPU measurements of docs/performance.md, on one machine of 4 GPUs, in parts that each
+# finish within SECONDS_LEFT (default 570) seconds; a later part reuses the shards and the compile
+# cache of an earlier one when $WORK is kept between them, and makes its own otherwise.
 #
 #   bash benchmarks/multi_gpu.sh scaling   # shard; weak scaling on 1 and 2 GPUs x ZeRO 0-3 (T5 base;
 #                                          # GPUS and CONFIGS pick other GPU counts and stages)
@@ -13,8 +13,8 @@
 #                                          # run fails; XXL_STEPS, XXL_LR)
 #
 # Environment: WIKI (jsonl.gz text, default .gpudata/wiki/*.jsonl.gz), WORK (shards, runs and the
-# compile cache, default ${TMPDIR:-/tmp}/t5ds_bench: outside the checkout, which a lent GPU machine
-# replaces on every call), OUT (where the summaries and log archives go, default $WORK/out).
+# compile cache, default ${TMPDIR:-/tmp}/t5ds_bench, outside the checkout), OUT (where the
+# summaries and log archives go, default $WORK/out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: multi_gpu.sh scaling|scaling4|large}
@@ -33,7 +33,7 @@ if [ ! -f "$DATA/manifest.json" ]; then
   echo "sharded in $(( $(date +%s) - start )) s"
 fi
 
-# Each part ends before DEADLINE seconds (a device slot is 600 s): a step gets the time left.
+# Each part ends before DEADLINE: a step gets the time left.
 DEADLINE=$(( $(date +%s) + ${SECONDS_LEFT:-570} ))
 left() { echo $(( DEADLINE - $(date +%s) )); }
 

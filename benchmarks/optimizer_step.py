@@ -106,14 +106,14 @@ def main() -> None:
         return ps
 
     results, syncs = {}, {}
+
+    def measure(name: str, step) -> None:  # the first, untimed step allocates state (and compiles)
+        results[name], syncs[name] = timed(step, args.steps, device), host_syncs(step, device)
+
     for name, compiled in [("adamwscale (tensors, foreach)", False), ("adamwscale (tensors, compiled)", True)]:
         if compiled and device.type == "cpu" and args.size != "tiny":
             continue  # inductor on CPU compiles for minutes at these sizes
-        ps = make()
-        opt = AdamWScale(ps, lr=1e-2, compiled=compiled)
-        results[name] = timed(opt.step, args.steps, device)  # the first, untimed step compiles
-        syncs[name] = host_syncs(opt.step, device)
-        del opt, ps
+        measure(name, AdamWScale(make(), lr=1e-2, compiled=compiled).step)
 
     ps = make()
     flat = torch.cat([p.detach().reshape(-1) for p in ps]).requires_grad_()
@@ -128,26 +128,15 @@ def main() -> None:
     opt.bind_flat_layouts(
         [FlatLayout(lengths, index, [s[2] for s in spans], [str(j) for j, _, _ in spans], flat_param=flat)]
     )
-    results["adamwscale (flat + layout, ZeRO path)"] = timed(opt.step, args.steps, device)
-    syncs["adamwscale (flat + layout, ZeRO path)"] = host_syncs(opt.step, device)
+    measure("adamwscale (flat + layout, ZeRO path)", opt.step)
     del opt, flat
 
     if device.type == "cuda":  # torch's single-kernel AdamW: the floor for this much state traffic
-        ps = make()
-        opt = torch.optim.AdamW(ps, lr=1e-2, fused=True)
-        results["torch AdamW fused"] = timed(opt.step, args.steps, device)
-        syncs["torch AdamW fused"] = host_syncs(opt.step, device)
-        del opt, ps
-
+        measure("torch AdamW fused", torch.optim.AdamW(make(), lr=1e-2, fused=True).step)
     ps = make()
-    opt = torch.optim.AdamW(ps, lr=1e-2, foreach=True)
-    results["torch AdamW foreach"] = timed(opt.step, args.steps, device)
-    syncs["torch AdamW foreach"] = host_syncs(opt.step, device)
-    del opt
-
+    measure("torch AdamW foreach", torch.optim.AdamW(ps, lr=1e-2, foreach=True).step)
     states = [dict(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p)) for p in ps]
-    results["nanoT5 per-tensor loop"] = timed(lambda: nanot5_step(ps, states), args.steps, device)
-    syncs["nanoT5 per-tensor loop"] = host_syncs(lambda: nanot5_step(ps, states), device)
+    measure("nanoT5 per-tensor loop", lambda: nanot5_step(ps, states))
 
     for name, sec in results.items():
         waits = "" if syncs[name] is None else f"   host waits/step {syncs[name]}"

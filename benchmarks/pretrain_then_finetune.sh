@@ -6,13 +6,12 @@
 #   bash benchmarks/pretrain_then_finetune.sh
 #
 # Environment (defaults in brackets): WIKI [.gpudata/wiki/*.jsonl.gz], SNI (compact SNI or a
-# natural-instructions checkout) [.gpudata/sni], WORK [${TMPDIR:-/tmp}/t5ds_bench: outside the
-# checkout, which a lent GPU machine replaces on every call], OUT [$WORK/out],
-# PRETRAIN_HOURS [0.1], LR [5e-3], WARMUP [300], FINETUNE_STEPS [1000], EVAL_PER_TASK [12],
-# MODEL_BENCH [1: first time the model alone, for the engine-vs-model comparison],
-# PRETRAIN_CONFIG [training/configs/t5_base_c4.yaml], FINETUNE_CONFIG [training/configs/sni.yaml]
-# PRETRAIN_OVERRIDES [none: extra key=value for the pre-training run] (the tiny configs make a
-# CPU dry run of the whole chain).
+# natural-instructions checkout) [.gpudata/sni], WORK [${TMPDIR:-/tmp}/t5ds_bench, outside the
+# checkout], OUT [$WORK/out], PRETRAIN_HOURS [0.1], LR [5e-3], WARMUP [300], FINETUNE_STEPS [1000],
+# EVAL_PER_TASK [12], MODEL_BENCH [1: first time the model alone, for the engine-vs-model
+# comparison], PRETRAIN_CONFIG [training/configs/t5_base_c4.yaml], FINETUNE_CONFIG
+# [training/configs/sni.yaml], PRETRAIN_OVERRIDES [none: extra key=value for the pre-training run]
+# (the tiny configs make a CPU dry run of the whole chain).
 # The two fine-tunings run side by side on the GPU (batch 8 leaves most of it idle): their step
 # times are not benchmarks; their Rouge-L figures are what this script is for.
 set -euo pipefail

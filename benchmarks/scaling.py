@@ -47,7 +47,7 @@ def plan_waves(gpu_counts: list[int], configs: list[str], total_gpus: int, paral
 
 def add_scaling(rows: list[dict], baselines: list[dict] = ()) -> None:
     """Scaling efficiency: tokens/s per GPU against the 1-GPU run of the same config (from `rows`,
-    else from `baselines`: rows of an earlier invocation, read with --baseline-json)."""
+    else from `baselines`: rows of another invocation, read with --baseline-json)."""
     base = {}
     for r in [*baselines, *rows]:  # this invocation's own 1-GPU runs win
         if r["gpus"] == 1 and "tokens_per_gpu" in r:
@@ -94,7 +94,7 @@ def main() -> int:
     parser.add_argument("--out", default="runs/scaling")
     parser.add_argument("--json", default="", help="append one JSON line per run to this file")
     parser.add_argument("--baseline-json", default="",
-                        help="1-GPU rows of an earlier invocation (its --json file) for the scaling column")
+                        help="1-GPU rows of another invocation (its --json file) for the scaling column")
     args, overrides = parser.parse_known_args()
     total_gpus = args.total_gpus
     if total_gpus is None:

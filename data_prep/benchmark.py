@@ -1,7 +1,7 @@
 """Sharding throughput next to the raw SentencePiece encode rate on the same text, in one run.
 
     python -m data_prep.benchmark                       # bundled C4 sample, 1 and 2 workers
-    python -m data_prep.benchmark --input '/work/shared/data/wikipedia/*.jsonl.gz' --workers 1,2,4,8
+    python -m data_prep.benchmark --input 'data/wiki/*.jsonl.gz' --workers 1,2,4,8
 
 Raw rate: `sp.encode(list_of_texts, num_threads=1)` over all documents (one thread, text already in
 memory). Sharding rate: wall time of `run_sharding` (pool start, reading + gunzip, JSON parsing,
@@ -22,6 +22,8 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+import sentencepiece as spm
 
 from data_prep.chunk_encoding import encode_chunk, init_worker
 from data_prep.shard import ShardConfig, run_sharding
@@ -91,8 +93,6 @@ def main(argv: list[str] | None = None) -> int:
                 suffix = "".join(Path(f).suffixes[-2:]) if f.endswith(".gz") else Path(f).suffix
                 os.symlink(os.path.abspath(f), inputs / f"copy{c:03d}-{i:05d}{suffix}")
         texts = read_texts(files, args.text_field)
-        import sentencepiece as spm
-
         sp = spm.SentencePieceProcessor(model_file=args.tokenizer)
         print(f"machine: {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, "
               f"load average {os.getloadavg()[0]:.1f} at start")  # fmt: skip
