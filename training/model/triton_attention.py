@@ -89,6 +89,8 @@ def tile_class(causal: bool, has_bias: bool, queries: int) -> str:
 # 114 queries); the cross-attention with long queries runs best with 2 stages (512 x 512: 1.01
 # against 1.08 ms for the backward). dQ kernel: BLOCK_M queries per program, BLOCK_N keys per step.
 # dQ from the stored dS: a streaming GEMM, BLOCK_M queries per program; 128 x 128 in the encoder.
+# The short classes' entries of these three backward tables run where the queries do not fit the
+# one-block tile (ONE_BLOCK_TILES below: with their default BLOCK_M of SHORT_QUERIES, they all do).
 FWD_TILES = dict.fromkeys(TILE_CLASSES, Tiles(64, 64, 4, 3))
 DKDV_TILES = {
     **dict.fromkeys(("enc", "enc-short", "dec"), Tiles(64, 64, 4, 3)),
