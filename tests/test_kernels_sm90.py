@@ -5,8 +5,8 @@ ptxas serializes every wgmma of a kernel (warning C7515, "wgmma.mma_async instru
 due to non wgmma instructions defining accumulator registers") when it cannot prove that no other
 instruction writes an accumulator while a wgmma is in flight. A loop over key or query blocks whose
 trip count may be zero does that: the zero-trip path writes the accumulators with moves. Each
-kernel then states its loop runs at least once (`tl.assume`), and the encoder layer's attention ran
-8% faster on an H100 (docs/model_speed.md, "wgmma serialized by ptxas").
+kernel then states its loop runs at least once (`tl.assume`); serialized, the encoder layer's
+attention runs 8% slower on an H100.
 
 No GPU is needed: the launchers run on meta tensors with a `wrap` that records each launch instead
 of running it, and triton compiles each recorded launch for sm_90a with its bundled ptxas.
@@ -56,8 +56,8 @@ class _Recorder:
 
 def _attention_launches(sq: int, sk: int, causal: bool, has_bias: bool, key_mask: bool) -> list[tuple]:
     """Every kernel launch of one attention's forward and backward, as the model's step makes them
-    (bf16 packed sources; T5's far-tile distance with a bias). With a bias it is a self-attention
-    (sq == sk), without one a cross-attention."""
+    (bf16 packed sources; T5's far distance with a bias, which the encoder's bias gradient uses). With
+    a bias it is a self-attention (sq == sk), without one a cross-attention."""
     import training.model.triton_attention as ta
     from training.model.attention import bias_saturation_distance
 
@@ -71,7 +71,7 @@ def _attention_launches(sq: int, sk: int, causal: bool, has_bias: bool, key_mask
     mask = torch.empty(B, sk, device="meta", dtype=torch.bool) if key_mask else torch.empty(0, device="meta")
     far = bias_saturation_distance(not causal) if has_bias else 0
     record = _Recorder()
-    out, lse = ta._launch_fwd(q_src, kv_src, bias, mask, causal, HEADS, far, wrap=record)
+    out, lse = ta._launch_fwd(q_src, kv_src, bias, mask, causal, HEADS, wrap=record)
     dout = torch.empty(B, sq, hd, **meta)
     ta._launch_bwd(q_src, kv_src, bias, mask, out, lse, dout, causal, HEADS, far, wrap=record)
     return record.launches

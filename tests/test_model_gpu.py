@@ -74,42 +74,29 @@ def test_triton_matches_math_fp32(case):
         )
 
 
-@pytest.mark.parametrize("path", ["atomic", "kernel"])
-@pytest.mark.parametrize("case", [c for c in CASES if c[3]], ids=str)
-def test_other_bias_gradient_paths_match_math_fp32(case, path, monkeypatch):
-    """The bias gradient by atomic adds from the dQ kernel and from the separate dbias kernel (the
-    default, dS summed by torch, is in the test above), the other gradients unchanged."""
-    monkeypatch.setattr(ta, "DBIAS_PATH", path)
-    test_triton_matches_math_fp32(case)
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_dq_from_stored_ds_matches_math(case, dtype, monkeypatch):
-    """DQ_PATH "stored": the dK/dV kernel stores dS and dQ = dS K is computed from it, with and
-    without a bias, masks and the causal diagonal; every gradient as under "recompute"."""
-    monkeypatch.setattr(ta, "DQ_PATH", "stored")
-    (test_triton_matches_math_fp32 if dtype == "fp32" else test_triton_matches_math_bf16)(case)
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[1] <= ta.SHORT_QUERIES], ids=str)
-def test_short_queries_without_the_one_block_backward_match_math(case, dtype, monkeypatch):
-    """ONE_BLOCK_BWD off: short queries take the dK/dV and dQ kernels of long ones (the tests above
-    run the one-block kernel, the default, on these cases)."""
-    monkeypatch.setattr(ta, "ONE_BLOCK_BWD", False)
+def test_short_queries_past_the_one_block_tile_match_math(case, dtype, monkeypatch):
+    """Short queries with a one-block tile smaller than them (as a tile sweep may set) take the
+    dK/dV and dQ kernels of long ones, with the short classes' tiles (the tests above run the
+    one-block kernel on these cases)."""
+    for key in ta.ONE_BLOCK_TILES:
+        monkeypatch.setitem(ta.ONE_BLOCK_TILES, key, ta.ONE_BLOCK_TILES[key]._replace(block_m=16))
     (test_triton_matches_math_fp32 if dtype == "fp32" else test_triton_matches_math_bf16)(case)
 
 
-def test_compiled_attention_follows_the_switches_through_the_compile_caches(monkeypatch, compile_caches_on):
-    """A switch read inside the op's launcher when torch.compile traces it (here ONE_BLOCK_BWD)
-    changes the compiled kernels with AOTAutograd's and inductor's caches on: without
-    `launch_settings()` in the op's arguments, the second compile below got the first one's kernels."""
+def test_compiled_attention_follows_the_tiles_through_the_compile_caches(monkeypatch, compile_caches_on):
+    """A tile table read inside the op's launcher when torch.compile traces it (here the one-block
+    kernel's, which decides whether 100 queries take it) changes the compiled kernels with
+    AOTAutograd's and inductor's caches on: without `launch_settings()` in the op's arguments, the
+    second compile below would get the first one's kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    one_block_tiles = ta.ONE_BLOCK_TILES["cross-short"]
 
     def backward_kernels(one_block: bool) -> set:
-        monkeypatch.setattr(ta, "ONE_BLOCK_BWD", one_block)
+        tiles = one_block_tiles if one_block else one_block_tiles._replace(block_m=64)
+        monkeypatch.setitem(ta.ONE_BLOCK_TILES, "cross-short", tiles)
         torch._dynamo.reset()
         attend = torch.compile(
             lambda q, kv: ta.t5_flash_attention_packed(q, kv, 4, None, None, False), fullgraph=True
@@ -192,30 +179,36 @@ def test_triton_matches_math_bf16(case):
         assert err < 2e-2, f"{name}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize(
-    "dq_path, relative", [("recompute", False), ("stored_bias", False), ("stored_bias", True)],
-    ids=["recompute", "stored_bias", "stored_bias-relative"],
-)  # fmt: skip
-def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(dq_path, relative, monkeypatch):
-    """relative: the kernels get the stacks' relative bias rows and sum their gradients per offset."""
-    monkeypatch.setattr(ta, "DQ_PATH", dq_path)
-    monkeypatch.setattr(ta, "RELATIVE_BIAS", relative)
+# (input length, target length): every attention's queries in one tile (the one-block backward), and
+# longer ones (the dK/dV kernel with dQ from the stored dS in the encoder and the decoder, recomputed
+# in the cross-attention)
+MODEL_LENGTHS = [(96, 40), (200, 150)]
+
+
+@pytest.mark.parametrize("lengths", MODEL_LENGTHS, ids=str)
+def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(lengths, monkeypatch):
+    """The tiny model with the triton backend, eager and compiled with fullgraph=True, against the
+    math backend with torch's GELU and norms (the Triton GELU and add + norm ops turned off for the
+    reference run): loss and every parameter's gradient."""
+    inputs, targets = lengths
     torch.manual_seed(0)
     config = T5Config.from_preset("tiny", attention_backend="math", num_layers=3)
     model = T5ForConditionalGeneration(config).cuda()
-    ids = torch.randint(2, 32128, (3, 96), device="cuda")
-    labels = torch.randint(2, 32128, (3, 40), device="cuda")
+    ids = torch.randint(2, 32128, (3, inputs), device="cuda")
+    labels = torch.randint(2, 32128, (3, targets), device="cuda")
     am = torch.ones_like(ids)
     am[1, -20:] = 0
     dm = torch.ones_like(labels)
     dm[0, -7:] = 0
     labels = labels.masked_fill(dm == 0, -100)
+    ops = tg._OP, tn._OP
 
     def run(backend, compiled=False):
         for m in model.modules():
             if hasattr(m, "backend"):
                 m.backend = backend
-        tg.ENABLED = tn.ENABLED = backend == "triton"  # the reference runs torch's GELU and norms too
+        # the reference runs torch's GELU and norms too
+        tg._OP, tn._OP = ops if backend == "triton" else (None, None)
         model.zero_grad()
         fn = lambda: model(ids, labels=labels, attention_mask=am, decoder_attention_mask=dm).loss  # noqa: E731
         loss = torch.compile(fn, fullgraph=True)() if compiled else fn()
@@ -226,7 +219,8 @@ def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(dq_
         ref_loss, ref_grads = run("math")
         results = [run("triton", compiled) for compiled in (False, True)]
     finally:
-        tg.ENABLED = tn.ENABLED = True
+        tg._OP, tn._OP = ops
+        torch._dynamo.reset()
     for loss, grads in results:
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-4)
         for name, g in grads.items():
@@ -302,37 +296,14 @@ def test_add_rms_norm_kernel_matches_torch(dtypes, compiled):
                 torch.testing.assert_close(got, ref, **tol, msg=lambda m, n=f"{name} {shape}": f"{n}: {m}")
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_far_tiles_change_nothing(causal, dtype, monkeypatch):
-    """FAR_TILES (every kernel) with T5's own bias at 512 x 512: tiles wholly beyond the saturation distance read
-    one element instead of a tile; output and every gradient are the very same as with every tile read."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    b, s, h, d = 4, 512, 12, 64
-    far = bias_saturation_distance(not causal)
-    buckets = relative_position_bucket(torch.arange(-(s - 1), s, device="cuda"), not causal)
-    bias = dense_bias(torch.randn(32, h, device="cuda", generator=g)[buckets].t(), s, s)
-    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g).to(dtype)
-    key_mask = torch.ones(b, s, dtype=torch.bool, device="cuda")
-    key_mask[0, 300:] = False
-    dout = torch.randn(b, s, h * d, device="cuda", generator=g).to(dtype)
-    results = []
-    for far_tiles in (False, True):
-        monkeypatch.setattr(ta, "FAR_TILES", ta.FAR_TILE_KERNELS if far_tiles else ())
-        x, bb = qkv.clone().requires_grad_(), bias.clone().requires_grad_()
-        out = packed_attention(x, None, h, bb, key_mask, causal, "triton", bias_far=far)
-        out.backward(dout)
-        results.append((out.detach(), x.grad, bb.grad))
-    for name, dense_tiles, far_tiles in zip(("out", "dqkv", "dbias"), *results):
-        assert torch.equal(dense_tiles, far_tiles), name
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_far_ds_sum_gives_the_bias_table_gradient(dtype, monkeypatch):
-    """DS_SUM "far" with T5's encoder bias at 512 x 512 (padding in one row): it reads about half of dS
-    and fills each row's larger far region from the rows' zero sums, so the dense bias gradient
-    differs per element but the bucket table's gradient is that of the whole sum and of float64 math
-    attention (fp32: 1e-4 of the largest; bf16: as close as the whole sum, within 2e-2)."""
+def test_far_ds_sum_gives_the_bias_table_gradient(dtype):
+    """The encoder's bias gradient given T5's far distance, at 512 x 512 (padding in one row): the
+    batch sum reads about half of dS and fills each row's larger far region from the rows' zero sums,
+    so the dense bias gradient differs per element from the whole sum's (no distance given) but the
+    bucket table's gradient is that of the whole sum and of float64 math attention (fp32: 1e-4 of
+    the largest; bf16: as close as the whole sum, within 2e-2). Given the distance, the source
+    gradients are the very same."""
     g = torch.Generator(device="cuda").manual_seed(2)
     b, s, h, d = 4, 512, 12, 64
     buckets = relative_position_bucket(torch.arange(-(s - 1), s, device="cuda"), True)
@@ -347,24 +318,25 @@ def test_far_ds_sum_gives_the_bias_table_gradient(dtype, monkeypatch):
         bias = dense_bias(tab[buckets].t(), s, s)
         bias.retain_grad()
         attention(x, bias).backward(dout.to(x.dtype))
-        return bias.grad, tab.grad
+        return bias.grad, tab.grad, x.grad
 
     def math(x, bias):
         q, k, v = (t.unflatten(-1, (h, d)) for t in x.split(h * d, -1))
         return _math_attention(q, k, v, bias, key_mask, False, 0.0).flatten(2)
 
-    def fused(x, bias):
-        return packed_attention(x, None, h, bias, key_mask, False, "triton", bias_far=bias_saturation_distance(True))
+    def fused(far):
+        return lambda x, bias: packed_attention(x, None, h, bias, key_mask, False, "triton", bias_far=far)
 
-    _, expected = grads(math, qkv, table)
-    results = {}
-    for how in ("kernel", "far"):
-        monkeypatch.setattr(ta, "DS_SUM", how)
-        results[how] = grads(fused, qkv.to(dtype), table.float())
+    _, expected, _ = grads(math, qkv, table)
+    results = {
+        how: grads(fused(far), qkv.to(dtype), table.float())
+        for how, far in (("kernel", 0), ("far", bias_saturation_distance(True)))
+    }
     assert not torch.equal(results["far"][0], results["kernel"][0])  # the far sum skipped keys
-    again = grads(fused, qkv.to(dtype), table.float())  # "far" again: one fixed order, bit-identical
+    assert torch.equal(results["far"][2], results["kernel"][2])
+    again = grads(fused(bias_saturation_distance(True)), qkv.to(dtype), table.float())  # one fixed order
     assert all(torch.equal(a, b) for a, b in zip(again, results["far"]))
-    errors = {how: float((tab.double() - expected).abs().max() / expected.abs().max()) for how, (_, tab) in results.items()}
+    errors = {how: float((tab.double() - expected).abs().max() / expected.abs().max()) for how, (_, tab, _) in results.items()}
     print(f"bucket table gradient, largest error of the largest value, {dtype}: {errors}")
     if dtype == torch.float32:
         assert errors["far"] < 1e-4, errors
@@ -407,11 +379,15 @@ ASSUME_CASES = [
 def test_loop_assumptions_change_no_bit(case, tmp_path, monkeypatch):
     """bf16 output and gradients, twice, equal those of the same kernels without `tl.assume`.
 
-    On an H200 (Triton 3.6) the assumption in the dK/dV kernel's loop made the kernels with query
+    On an H200 (Triton 3.6) the assumption in the dK/dV kernel's loop makes the kernels with query
     blocks of 32 rows or fewer race without a bias: dK wrong (up to 0.16 relative) and different
-    from run to run (docs/model_speed.md). That kernel now states it only for blocks of 64 rows or more."""
+    from run to run. That kernel states it only for blocks of 64 rows or more. Short queries take the
+    dK/dV kernel where the case says so (a one-block tile smaller than them)."""
     b, sq, sk, with_bias, causal, one_block, tiles = case
-    monkeypatch.setattr(ta, "ONE_BLOCK_BWD", one_block)
+    key = ta.tile_class(causal, with_bias, sq)
+    if not one_block and key in ta.ONE_BLOCK_TILES:
+        monkeypatch.setitem(ta.ONE_BLOCK_TILES, key, ta.ONE_BLOCK_TILES[key]._replace(block_m=16))
+    assert ta.one_block_applies(key, sq) == one_block
     if tiles is not None:
         monkeypatch.setitem(ta.DKDV_TILES, ta.tile_class(causal, with_bias, sq), ta.Tiles(*tiles))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -439,31 +415,3 @@ def test_loop_assumptions_change_no_bit(case, tmp_path, monkeypatch):
     for got in results:
         for name, x, e in zip(("out", "dq", "dk", "dv", "dbias"), got, expected):
             assert torch.equal(x, e), f"{name}: max difference {float((x.float() - e.float()).abs().max()):.3e}"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(4, 512, False), (8, 114, True), (3, 77, False), (2, 300, True)], ids=str)
-def test_relative_bias_gradient_equals_the_dense_ones_diagonal_sums(shape, dtype, monkeypatch):
-    """The fused kernel given T5's relative bias row (bias_rel): the same output and q/k/v gradients
-    as given its dense expansion, and as the row's gradient the dense gradient summed along each key -
-    query offset (summed in the dQ-from-dS kernel at these tiles; autograd's scatter for the dense)."""
-    b, s, causal = shape
-    h, d = 12, 64
-    assert ta.relative_grad_in_kernel(ta.tile_class(causal, True, s))
-    g = torch.Generator(device="cuda").manual_seed(2)
-    rel = torch.randn(h, 2 * s - 1, device="cuda", generator=g)
-    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g).to(dtype)
-    key_mask = torch.ones(b, s, dtype=torch.bool, device="cuda")
-    key_mask[0, s // 2 :] = False
-    dout = torch.randn(b, s, h * d, device="cuda", generator=g).to(dtype)
-    results = {}
-    for relative in (False, True):
-        monkeypatch.setattr(ta, "RELATIVE_BIAS", relative)
-        x, r = qkv.clone().requires_grad_(), rel.clone().requires_grad_()
-        out = packed_attention(x, None, h, dense_bias(r, s, s), key_mask, causal, "triton", bias_rel=r)
-        out.backward(dout)
-        results[relative] = (out.detach(), x.grad, r.grad)
-    (out, dx, drel), (out_dense, dx_dense, drel_dense) = results[True], results[False]
-    assert torch.equal(out, out_dense) and torch.equal(dx, dx_dense)
-    largest = drel_dense.abs().max().item()
-    torch.testing.assert_close(drel, drel_dense, rtol=1e-5, atol=1e-5 * largest)

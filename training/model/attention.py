@@ -1,4 +1,4 @@
-"""T5 attention kernels: relative position buckets and the attention backends.
+"""T5 attention: relative position buckets and the attention backends.
 
 T5 attention is softmax(Q K^T + B + M) V with no 1/sqrt(d_kv) scaling, where B is the learned
 relative position bias, shared by every sequence in the batch and every layer of a stack, and M
@@ -9,22 +9,20 @@ fused kernel reads it with strides.
 T5's bias depends only on key - query: the model looks up one relative row per head,
 (heads, q_len + k_len - 1) with B[h, i, j] = rel[h, j - i + q_len - 1] (1023 bucket lookups at
 512 x 512 instead of 262,144), and `dense_bias` expands it once per stack to the (heads, q_len,
-k_len) bias every backend here reads. (The fused kernel reading the relative row itself measured
-slower than reading the dense tile: docs/model_speed.md.) The fused kernel can also take the relative
-row (`packed_attention`'s bias_rel, with `triton_attention.RELATIVE_BIAS` on): it expands it to the
-dense tiles it reads and returns its gradient per offset, summed along dS's diagonals in its dQ
-kernel, instead of a dense (heads, q_len, k_len) gradient per layer for autograd to sum and scatter.
-Off by default: slower (docs/model_speed.md, eighteenth session).
+k_len) bias every backend here reads. (Reading the dense tile is faster in the fused kernel than
+gathering from the relative row, and so is a dense gradient per layer, summed by autograd, than
+the relative row's gradient summed along dS's diagonals in the kernel: 1.63 against 1.75 ms for an
+encoder layer's backward on an H100.)
 
 Backends (`T5Config.attention_backend`):
-- "math": explicit fp32-softmax scores, the numerics of HF's eager T5 (used on CPU and for tests);
-- "sdpa": `torch.nn.functional.scaled_dot_product_attention` with an additive bias mask;
-- "flex": FlexAttention with a score_mod reading the bias (no backward on CPU);
-- "triton": our fused flash-attention kernel with the shared bias and its gradient (CUDA only);
-- "cudnn": cuDNN's fused attention with the shared bias and its gradient (`cudnn_attention.py`;
-  CUDA, bf16/fp16, no key padding mask: other cases run on "triton"). Opt-in: slower than "triton"
-  in the compiled T5 base step on an H100 (docs/model_speed.md);
+- "triton": our fused flash-attention kernel with the shared bias and its gradient
+  (`triton_attention.py`; CUDA only);
+- "sdpa": `torch.nn.functional.scaled_dot_product_attention` with an additive bias mask; what the
+  triton backend falls back to for attention dropout and for decoding with a key/value cache;
+- "math": explicit fp32-softmax scores, the numerics of HF's eager T5 (used on CPU, and the
+  reference the others are tested against);
 - "auto": "triton" on CUDA when triton imports, else "math".
+Decoding's self-attention on the triton backend runs `triton_decode_attention` (see `t5.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from training.model import cudnn_attention, triton_attention
+from training.model import triton_attention
 
 
 def relative_position_bucket(
@@ -73,10 +71,10 @@ def relative_position_bucket(
 def bias_saturation_distance(bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> int:
     """The smallest d such that every |key - query| >= d falls in the last bucket of its direction,
     so that T5's bias is one value per head there (91 for T5's encoder, 113 for its decoder; in the
-    decoder, keys after the query all share bucket 0 anyway). The fused kernels named in
-    `triton_attention.FAR_TILES` (none by default) skip the bias loads of tiles wholly beyond it. 0
-    (no promise) when max_distance does not exceed the exact buckets' range: the log buckets then do
-    not end at max_distance."""
+    decoder, keys after the query all share bucket 0 anyway). The fused kernel's bias gradient then
+    reads only about half of the encoder's dS (`triton_bias_grad.batch_sum`). 0 (no promise) when
+    max_distance does not exceed the exact buckets' range: the log buckets then do not end at
+    max_distance."""
     max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
     if max_distance <= max_exact:
         return 0
@@ -112,28 +110,16 @@ def dense_bias(bias: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
 
 
 def _choose_backend(
-    backend: str,
-    device: torch.device,
-    causal: bool,
-    q_len: int,
-    k_len: int,
-    dropout_p: float,
-    dtype: torch.dtype = torch.float32,
-    d_kv: int = 64,
-    key_mask: bool = False,
+    backend: str, device: torch.device, causal: bool, q_len: int, k_len: int, dropout_p: float
 ) -> str:
-    """The backend that actually runs: fallbacks for dropout, CPU training with flex, cached decoding,
-    and what cuDNN does not take (fp32, padding masks). dtype: the inputs' (under autocast, its dtype)."""
+    """The backend that actually runs: "auto" resolved, and the fused kernel's fallbacks to SDPA (on
+    CPU, math) for attention dropout and to SDPA for cached decoding (causal, fewer queries than
+    keys: tiny, not worth a fused kernel)."""
     backend = resolve_backend(backend, device)
-    is_cuda = device.type == "cuda"
-    if backend == "cudnn" and (key_mask or not cudnn_attention.supports(dtype, d_kv)):
-        backend = "triton" if triton_attention.available() else "sdpa"
-    if dropout_p > 0.0 and backend in ("triton", "flex", "cudnn"):
-        backend = "sdpa" if is_cuda else "math"
-    if backend == "flex" and not is_cuda and torch.is_grad_enabled():
-        backend = "math"  # FlexAttention has no backward on CPU (torch 2.13)
-    if backend in ("triton", "flex", "cudnn") and causal and q_len != k_len:
-        backend = "sdpa"  # incremental decoding with a cache: tiny, not worth a fused kernel
+    if backend == "triton" and dropout_p > 0.0:
+        backend = "sdpa" if device.type == "cuda" else "math"
+    if backend == "triton" and causal and q_len != k_len:
+        backend = "sdpa"
     return backend
 
 
@@ -153,17 +139,9 @@ def attention(
     None (all real). causal: query i sees keys j <= i + (sk - sq) (the offset covers a key/value
     cache). dropout_p applies to the attention probabilities (only the math/sdpa paths support it).
     """
-    backend = _choose_backend(backend, q.device, causal, q.shape[1], k.shape[1], dropout_p,
-                              _compute_dtype(q), q.shape[-1], key_mask is not None)  # fmt: skip
-    if backend == "flex":
-        return _flex_attention(q, k, v, bias, key_mask, causal)
+    backend = _choose_backend(backend, q.device, causal, q.shape[1], k.shape[1], dropout_p)
     if backend == "triton":
         return triton_attention.t5_flash_attention(q, k, v, bias, key_mask, causal)
-    if backend == "cudnn":  # packs k and v into one tensor first (a copy), as the triton path does
-        kv = torch.cat([k.flatten(2), v.flatten(2)], dim=-1)
-        return cudnn_attention.cudnn_attention_packed(q.flatten(2), kv, q.shape[2], bias, causal).view(
-            q.shape
-        )
     if backend == "math":
         return _math_attention(q, k, v, bias, key_mask, causal, dropout_p)
     if backend == "sdpa":
@@ -181,7 +159,6 @@ def packed_attention(
     backend: str,
     dropout_p: float = 0.0,
     bias_far: int = 0,
-    bias_rel: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention` on the fused projection outputs, (b, sq, heads * d) out.
 
@@ -189,10 +166,7 @@ def packed_attention(
     (b, sq, heads * d), kv_src (b, sk, 2 * heads * d) = [k | v]. The fused kernel reads the sources
     with strides and its backward writes each source's gradient as one tensor; other backends get
     q/k/v views. bias_far: `bias_saturation_distance` of a T5 bias (0 for any other bias), which the
-    fused kernel may use to skip loads. bias_rel: the relative row (heads, sq + sk - 1) that bias was
-    expanded from (bias = dense_bias(bias_rel, sq, sk)), or None. With triton_attention.RELATIVE_BIAS
-    on, the fused kernel takes it instead of bias, so the gradient flows to bias_rel, not to bias
-    (bias, when it was computed from bias_rel, gets its share through it); other backends read bias.
+    fused kernel's bias gradient uses to read less of dS.
     """
     b, sq, width = q_src.shape
     if kv_src is None:
@@ -200,27 +174,14 @@ def packed_attention(
     else:
         hd, k_at = width, 0
     sk = kv_src.shape[1]
-    chosen = _choose_backend(backend, q_src.device, causal, sq, sk, dropout_p, _compute_dtype(q_src),
-                             hd // heads, key_mask is not None)  # fmt: skip
+    chosen = _choose_backend(backend, q_src.device, causal, sq, sk, dropout_p)
     if chosen == "triton":
         kv = None if kv_src is q_src else kv_src
-        if bias_rel is not None and triton_attention.RELATIVE_BIAS:
-            bias = bias_rel
         return triton_attention.t5_flash_attention_packed(q_src, kv, heads, bias, key_mask, causal, bias_far)
-    if chosen == "cudnn":
-        return cudnn_attention.cudnn_attention_packed(
-            q_src, None if kv_src is q_src else kv_src, heads, bias, causal
-        )
     q = q_src[..., :hd].unflatten(-1, (heads, hd // heads))
     k = kv_src[..., k_at : k_at + hd].unflatten(-1, (heads, hd // heads))
     v = kv_src[..., k_at + hd : k_at + 2 * hd].unflatten(-1, (heads, hd // heads))
     return attention(q, k, v, bias, key_mask, causal, chosen, dropout_p).flatten(2)
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype attention computes in: autocast's where autocast is on, else the tensor's."""
-    device = t.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
 
 
 def _allowed_mask(
@@ -271,26 +232,5 @@ def _sdpa_attention(q, k, v, bias, key_mask, causal, dropout_p):
         attn_mask=mask,
         dropout_p=dropout_p,
         scale=1.0,
-    )
-    return out.transpose(1, 2)
-
-
-def _flex_attention(q, k, v, bias, key_mask, causal):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    sk, sq = k.shape[1], q.shape[1]
-    neg = torch.finfo(torch.float32).min
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        if bias is not None:
-            score = score + bias[h, q_idx, kv_idx]
-        if key_mask is not None:
-            score = torch.where(key_mask[b, kv_idx], score, neg)
-        if causal:
-            score = torch.where(kv_idx <= q_idx + (sk - sq), score, neg)
-        return score
-
-    out = flex_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, scale=1.0
     )
     return out.transpose(1, 2)

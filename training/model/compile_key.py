@@ -3,12 +3,10 @@ their graphs apart.
 
 AOTAutograd's cache keys a compiled graph on the graph Dynamo traced: the ops and their arguments.
 A `torch.library.triton_op`'s launcher runs later, when AOTAutograd traces the op, so neither the
-module settings it reads (tile sizes, kernel paths, switches) nor the source of the kernels it
-launches are in that key. A second compile under other settings (a benchmark's next variant), or
-of edited kernels (a second checkout on the same machine), could then get the first compile's
-kernels from the cache: seen in the twenty-first session with the attention ops (docs/model_speed.md).
-Since the twenty-second session the whole training step is served from that cache (the fused
-cross-entropy no longer makes it step aside), so every op module with a launcher has a
+module settings it reads (tile sizes) nor the source of the kernels it launches are in that key. A
+second compile under other tiles (a tile sweep's next setting), or of edited kernels (a second
+checkout on the same machine), could then get the first compile's kernels from the cache. The
+whole training step is served from that cache, so every op module with a launcher has a
 `launch_settings()`, made with these helpers, which its ops take as an argument they do not read.
 """
 

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-ATTENTION_BACKENDS = ("auto", "math", "sdpa", "flex", "triton", "cudnn")
+ATTENTION_BACKENDS = ("auto", "math", "sdpa", "triton")
 FEED_FORWARD_PROJ = ("gated-gelu", "relu")
 RESIDUAL_DTYPES = ("float32", "autocast")
 FFN_KERNELS = ("default", "quack")
@@ -66,10 +66,9 @@ class T5Config:
     eos_token_id: int = 1
     decoder_start_token_id: int = 0
     # Attention implementation: "auto" (triton kernel on CUDA, math on CPU), "math" (explicit scores,
-    # matches HF eager), "sdpa" (torch SDPA with an additive bias), "flex" (FlexAttention, CUDA only for
-    # training), "triton" (our fused kernel with the shared relative bias and its gradient; CUDA only),
-    # "cudnn" (cuDNN's fused attention with the bias and its gradient, through nvidia-cudnn-frontend;
-    # bf16/fp16 without padding masks, else triton; slower than triton on an H100, docs/model_speed.md).
+    # matches HF eager), "sdpa" (torch SDPA with an additive bias), "triton" (our fused kernel with the
+    # shared relative bias and its gradient; CUDA only; attention dropout and cached decoding run on
+    # sdpa). See training/model/attention.py.
     attention_backend: str = "auto"
     # dtype of the residual stream (the hidden states between blocks): "float32" (HF's numerics, the
     # default) or "autocast" (under torch.autocast, the autocast dtype, e.g. bf16 as T5X's activation
@@ -80,9 +79,8 @@ class T5Config:
     # kernels) or "quack" (the GELU and its gradient in the epilogues of QuACK's GEMMs: quack-kernels
     # on a Hopper or newer GPU; 5-6 ms a step and 3.9 GiB less for T5 base at batch 128 on an H100
     # under ZeRO 0, no measurable time under ZeRO 2; held-out loss as the default's over a 600-step
-    # schedule: docs/performance.md). The same function, rounded
-    # differently (the GELU on the GEMM's fp32 accumulator); where QuACK cannot run (CPU, dropout, no
-    # gradients) the FFN takes the default path.
+    # schedule). The same function, rounded differently (the GELU on the GEMM's fp32 accumulator);
+    # where QuACK cannot run (CPU, dropout, no gradients) the FFN takes the default path.
     ffn_kernel: str = "default"
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ the backward pass only scales the stored d(hidden) and d(weight) by the incoming
 Written with plain torch ops only, so that a compiled training step stays in torch.compile's
 AOTAutograd cache: an `autograd.Function` in the graph (`autograd_function_apply`), or an
 `autocast` context entered inside it (`_enter_autocast`), makes that cache step aside, and every
-training process then traced the whole step again (docs/model_speed.md, "The compile cache").
+training process would then trace the whole step again.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def _loss_and_grads(
         # d loss / d logits = (softmax - one_hot(y)) / n_valid on valid rows, 0 elsewhere. The one-hot
         # is a comparison with the vocabulary's indices, not an in-place scatter: element-wise, it
         # lets inductor form the gradient in the kernel that reduces the log-sum-exp and write it
-        # once in bf16. (A scatter made it write an fp32 gradient and cast it in a second kernel:
-        # ~0.24 ms a chunk of 2048 rows on an H200 instead of ~0.14; docs/model_speed.md, rows 111-112.)
+        # once in bf16. (A scatter makes it write an fp32 gradient and cast it in a second kernel:
+        # ~0.24 ms a chunk of 2048 rows on an H200 instead of ~0.14.)
         # In place in the logits' buffer, the comparison added as a bool with alpha -1 (exp - 1 at
         # the target, exp elsewhere): compiled, the same kernel as out of place; run eagerly (no
         # compile, CPU) the chunk holds its logits and a bool mask (263 + 66 MB for 2048 x 32128)

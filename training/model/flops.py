@@ -8,6 +8,10 @@ inputs 512, targets 114 gives 5.45e13.
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 from training.model.config import T5Config
 
 
@@ -41,10 +45,6 @@ def model_flops_per_step(config: T5Config, batch_size: int, input_length: int, t
 def measure_matmul_tflops(device, n: int = 8192, iters: int = 20) -> float:
     """Achieved bf16 TFLOP/s of an n^3 matmul on a CUDA device: the practical ceiling MFU is quoted
     against (well under a second on an H100)."""
-    import time
-
-    import torch
-
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):

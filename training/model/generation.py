@@ -50,7 +50,7 @@ def greedy_generate(
     tensor), so every decoding step runs the same kernels on the same buffers. On CUDA with
     `cuda_graph` the first step runs eagerly (it builds the caches and compiles what needs compiling)
     and the rest replay it as one CUDA graph: a step then costs the GPU time of its kernels instead
-    of the host's time to launch them one by one (docs/finetune_sni.md has the figures)."""
+    of the host's time to launch them one by one (docs/performance.md has the figures)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     config = model.config

@@ -7,7 +7,7 @@ gelu_tanh(gate) * lin in the epilogue of the x [W0; W1]^T GEMM, and the activati
 epilogue of the backward's dy Wo GEMM, so neither element-wise pass runs on its own and the forward
 keeps no copy of the activation (the backward's epilogue rewrites it). The forward's Wo GEMM and the
 backward's other three stay on cuBLAS, which is faster than QuACK's for the weight gradients of these
-shapes (benchmarks/quack_gemms.py, docs/model_speed.md).
+shapes.
 
 QuACK's epilogue writes the pre-activation with gate and lin columns interleaved (gate_0, lin_0,
 gate_1, ...) and takes its gradient back in that order; the backward's cuBLAS GEMMs use the rows of

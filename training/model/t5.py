@@ -5,8 +5,8 @@ Every parameter lives under exactly the name and shape it has in an HF T5 checkp
 `state_dict()` / `load_state_dict()` speak HF names with no conversion (DeepSpeed checkpoints too).
 Speed comes from the forward pass instead: q/k/v (and wi_0/wi_1) weights are concatenated on the fly
 so each projection is one GEMM, the relative bias is computed once per stack as (heads, q, k) fp32
-(with the (heads, q + k - 1) row it is expanded from: `PositionBias`), and attention goes through
-`attention.attention` (fused Triton kernel on CUDA).
+(expanded from one (heads, q + k - 1) row of bucket lookups), and attention goes through
+`attention.packed_attention` (fused Triton kernel on CUDA).
 
 Numerics follow HF: RMS norm in fp32 (no mean, no bias), fp32 residual stream, no 1/sqrt(d_kv)
 scaling, loss in fp32.
@@ -31,7 +31,8 @@ from training.model.attention import (
 )
 from training.model.config import T5Config
 from training.model.cross_entropy import fused_linear_cross_entropy
-from training.model.triton_add_norm import add_rms_norm
+from training.model.generation import beam_search_generate, greedy_generate
+from training.model.triton_add_norm import add_rms_norm, rms_norm
 from training.model.triton_add_norm import kernel_applies as add_norm_kernel_applies
 from training.model.triton_gated_gelu import gated_gelu_packed
 
@@ -43,25 +44,6 @@ class Seq2SeqOutput(NamedTuple):
     loss: torch.Tensor | None
     # (batch, target_len, vocab) fp32 logits, or None when forward(return_logits=False).
     logits: torch.Tensor | None
-
-
-class PositionBias(NamedTuple):
-    """A stack's learned relative bias, shared by its blocks, in both forms the attention backends take."""
-
-    # (heads, q_len, k_len) fp32: what every backend reads; expanded once per stack from `rel`.
-    dense: torch.Tensor
-    # (heads, q_len + k_len - 1) fp32, one value per key - query offset: what the fused Triton kernel
-    # can take instead (`attention.packed_attention`'s bias_rel; triton_attention.RELATIVE_BIAS).
-    rel: torch.Tensor
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (cast to a half-precision weight's dtype)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        x32 = x32.to(weight.dtype)
-    return weight * x32
 
 
 def gated_gelu(h: torch.Tensor) -> torch.Tensor:
@@ -129,7 +111,7 @@ class T5Attention(nn.Module):
         self,
         x: torch.Tensor,
         kv_input: torch.Tensor | None = None,
-        bias: PositionBias | None = None,
+        bias: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         causal: bool = False,
         cache: dict | None = None,
@@ -164,10 +146,10 @@ class T5Attention(nn.Module):
             return self.o(out.reshape(b, sq, out.shape[-1]))
         if cache is None or kv_input is not None:  # attention reads the fused projection outputs as they are
             # The stack's bias is T5's relative one (queries from position 0 here): constant per head
-            # from this distance on, which the fused kernel can use.
-            far, dense, rel = (0, None, None) if bias is None else (self.bias_far[causal], *bias)
+            # from this distance on, which the fused kernel's bias gradient uses.
+            far = 0 if bias is None else self.bias_far[causal]
             out = packed_attention(
-                q_src, kv_src, self.n_heads, dense, key_mask, causal, self.backend, dropout_p, far, rel
+                q_src, kv_src, self.n_heads, bias, key_mask, causal, self.backend, dropout_p, far
             )
             return self.o(out)
         # Decoding's self-attention: this position's keys/values fill one slot of the fixed-size
@@ -179,11 +161,11 @@ class T5Attention(nn.Module):
             # key mask is exactly "slot <= position", which the kernel applies itself.
             k_buf, v_buf = _store_cache_slot(cache, cache_prefix, k, v)
             out = triton_decode_attention.decode_attention(
-                q, k_buf, v_buf, cache.get("history"), bias.dense, cache["position"]
+                q, k_buf, v_buf, cache.get("history"), bias, cache["position"]
             )
             return self.o(out)
         k, v = _write_cache_slot(cache, cache_prefix, k, v)
-        out = attention(q, k, v, bias.dense, key_mask, causal, self.backend, dropout_p)
+        out = attention(q, k, v, bias, key_mask, causal, self.backend, dropout_p)
         return self.o(out.reshape(b, sq, self.n_heads * self.d_kv))
 
     def _decode_kernel_applies(self, device: torch.device) -> bool:
@@ -313,7 +295,7 @@ class T5Block(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        bias: PositionBias,
+        bias: torch.Tensor,
         key_mask: torch.Tensor | None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_key_mask: torch.Tensor | None = None,
@@ -369,12 +351,11 @@ class T5Stack(nn.Module):
 
     def position_bias(
         self, q_len: int, k_len: int, q_offset: int | torch.Tensor, device: torch.device
-    ) -> PositionBias:
-        """The learned bias, shared by every block of the stack: looked up once per key - query offset
-        (the (heads, q_len + k_len - 1) row, `rel`) and expanded by `dense_bias` to (heads, q_len,
-        k_len) (`dense`; left out of the compiled graph where no attention reads it). Queries sit at
-        positions q_offset .. q_offset + q_len - 1 (an int, or a 0-dim device tensor when decoding
-        into a fixed-size cache), keys at 0 .. k_len - 1."""
+    ) -> torch.Tensor:
+        """The learned bias (heads, q_len, k_len) fp32, shared by every block of the stack: looked up
+        once per key - query offset (a (heads, q_len + k_len - 1) row) and expanded by `dense_bias`.
+        Queries sit at positions q_offset .. q_offset + q_len - 1 (an int, or a 0-dim device tensor
+        when decoding into a fixed-size cache), keys at 0 .. k_len - 1."""
         offsets = torch.arange(-(q_len - 1), k_len, device=device) - q_offset  # key position - query position
         buckets = relative_position_bucket(
             offsets,
@@ -383,7 +364,7 @@ class T5Stack(nn.Module):
             max_distance=self.config.relative_attention_max_distance,
         )
         rel = self.bias_table(buckets).t().float()
-        return PositionBias(dense_bias(rel, q_len, k_len), rel)
+        return dense_bias(rel, q_len, k_len)
 
     def forward(
         self,
@@ -564,8 +545,6 @@ class T5ForConditionalGeneration(nn.Module):
         """Greedy decoding (num_beams=1) or beam search with a key/value cache, as transformers'
         `generate(num_beams=..., length_penalty=...)` decodes (see `training.model.generation`).
         cuda_graph: on CUDA, decoding replays its step as a CUDA graph (False: every step eager)."""
-        from training.model.generation import beam_search_generate, greedy_generate
-
         if num_beams == 1:
             return greedy_generate(self, input_ids, attention_mask, max_new_tokens, cuda_graph)
         return beam_search_generate(

@@ -1,5 +1,5 @@
-"""The residual add and the RMS norm after it, h' = h + out, y = rms_norm(h') * w, as one Triton
-kernel each way.
+"""T5's RMS norm, and the residual add with the RMS norm after it, h' = h + out, y = rms_norm(h') * w,
+as one Triton kernel each way.
 
 Every RMS norm of T5 but a stack's first follows a residual add. Under torch.compile inductor
 fuses each add with its norm: one kernel forward, and one backward that computes the residual
@@ -14,7 +14,8 @@ Arithmetic in fp32; h' is rounded to h's dtype before it is normalised (as eager
 `rms_norm(h + out)`); y is written in the dtype its consumer asks for (the autocast dtype before a
 linear layer, which would cast it anyway). `add_rms_norm` dispatches: CUDA tensors with triton
 installed use the kernels (wrapped with `torch.library.triton_op`, so torch.compile keeps them in its
-graph), anything else the torch ops.
+graph), anything else the torch ops of `rms_norm`, which are also the reference the kernels are
+tested against.
 """
 
 from __future__ import annotations
@@ -30,11 +31,20 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 FWD_ROWS = 4  # rows per forward program (one 2-D tile of FWD_ROWS x d_model)
 # The backward's programs are persistent: each walks BWD_ROWS rows at a time through a share of the
 # rows, so its weight-gradient partial sums are one row of (programs, d_model).
-# Swept on an H100 over 64 settings (benchmarks/add_norm_sweep.py, docs/model_speed.md): the best with
-# T5-base's fp32 residual stream. With a bf16 one (model.residual_dtype=autocast) the same setting
-# with 2 pipeline stages was the best (eighteenth session: 0.1445 against 0.1581 ms at 1 stage).
+# Swept on an H100 over 64 settings: the best with T5-base's fp32 residual stream. With a bf16 one
+# (model.residual_dtype=autocast) the same setting with 2 pipeline stages is the best (0.1445 against
+# 0.1581 ms at 1 stage).
 BWD_ROWS, BWD_PROGRAMS_PER_SM, BWD_WARPS, BWD_STAGES = 8, 2, 4, 1
 BWD_STAGES_HALF = 2  # BWD_STAGES when the residual stream is fp16 or bf16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (cast to a half-precision weight's dtype)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        x32 = x32.to(weight.dtype)
+    return weight * x32
 
 
 def _half(dtype: torch.dtype) -> bool:
@@ -163,8 +173,6 @@ def add_rms_norm_reference(
     h: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float, y_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + out, rms_norm(h + out) * weight) with torch ops; y cast to y_dtype when given."""
-    from training.model.t5 import rms_norm
-
     h_new = h + out
     y = rms_norm(h_new, weight, eps)
     return h_new, y if y_dtype is None else y.to(y_dtype)
@@ -211,13 +219,9 @@ if _HAS_TRITON and hasattr(torch.library, "triton_op"):
     _OP = _add_rms_norm_fwd_op
 
 
-# False: torch ops everywhere (benchmark variant `torchnorm`, to compare with inductor's kernels).
-ENABLED = True
-
-
 def kernel_applies(h: torch.Tensor) -> bool:
     """True when `add_rms_norm` would run the Triton kernels on `h`."""
-    return ENABLED and _OP is not None and h.is_cuda
+    return _OP is not None and h.is_cuda
 
 
 def add_rms_norm(

@@ -1,14 +1,13 @@
-"""The Triton kernels of the fused T5 attention. `training/model/triton_attention.py` launches them,
-holds their tile sizes and switches, and its docstring says what each kernel computes and why the
-per-score work is kept small. Imported only where the triton package is installed.
+"""The Triton kernels of the fused T5 attention. `training/model/triton_attention.py` launches them
+and holds their tile tables; its docstring says what each kernel computes and why the per-score
+work is kept small. Imported only where the triton package is installed.
 
 Each loop over key or query blocks follows a `tl.assume` that it runs at least once, which the
 launchers' `_check_lengths` makes true. Where the loop might run zero times, ptxas serializes every
-wgmma of the kernel (its warning C7515; tests/test_kernels_sm90.py): the encoder layer's attention
-ran 8% slower so (docs/model_speed.md, "wgmma serialized by ptxas"). The exception: the dK/dV kernel with
-query blocks thinner than 64 rows, where the assumption made Triton 3.6's code race (docs/model_speed.md,
-"A race in the dK/dV kernel with thin query blocks"; tests/test_model_gpu.py checks every
-assumption against the kernels without them).
+wgmma of the kernel (its warning C7515; tests/test_kernels_sm90.py), and the encoder layer's
+attention runs 8% slower. The exception: the dK/dV kernel with query blocks thinner than 64 rows,
+where the assumption makes Triton 3.6's code race (tests/test_model_gpu.py checks every assumption
+against the kernels without them).
 """
 
 from __future__ import annotations
@@ -32,28 +31,14 @@ def _inside(offs_m, offs_n, SQ, SK):
 
 
 @triton.jit
-def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.constexpr,
-               FAR_TILES: tl.constexpr, EVEN: tl.constexpr):
+def _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
     """(BM, BN) fp32 tile of the (H, SQ, SK) bias (fp32 or fp16 in memory), already in base-2 units
-    (the host multiplies it by log2(e)), for queries m0.. and keys n0... The bias is shared by the
-    batch: the tile comes from L2. (A relative bias, one (H, SQ + SK - 1) row per head gathered in the kernel, measured
-    slower: see docs/model_speed.md.) FAR_TILES: the caller promises that the bias is one value per head
-    wherever key - query >= FAR, and one wherever query - key >= FAR (T5's last buckets); a tile
-    wholly inside either region reads one element and loads nothing else. EVEN: the tile lies wholly
-    inside the bias (SQ and SK are whole tiles), so the load takes no bounds mask."""
+    (the host multiplies it by log2(e)), for queries offs_m and keys offs_n; zeros without a bias.
+    The bias is shared by the batch: the tile comes from L2. EVEN: the tile lies wholly inside the
+    bias (SQ and SK are whole tiles), so the load takes no bounds mask."""
     if HAS_BIAS:
-        inside = _inside(offs_m, offs_n, SQ, SK)
         ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
-        if FAR_TILES:  # a branch, not a masked load; the corner read outside it (docs/model_speed.md)
-            near = (n0 - m0 < FAR + offs_m.shape[0] - 1) & (m0 - n0 < FAR + offs_n.shape[0] - 1)
-            corner = tl.load(BIAS + h * SQ * SK + m0 * SK + n0).to(tl.float32)  # inside every tile
-            if near:
-                tile = _load_tile(ptrs, inside, EVEN).to(tl.float32)
-            else:  # every element of a far tile has the corner's value
-                tile = tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32) + corner
-            return tile
-        else:
-            return _load_tile(ptrs, inside, EVEN).to(tl.float32)
+        return _load_tile(ptrs, _inside(offs_m, offs_n, SQ, SK), EVEN).to(tl.float32)
     else:
         return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
 
@@ -61,7 +46,7 @@ def _bias_tile(BIAS, h, m0, n0, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS: tl.conste
 @triton.jit
 def _load_tile(ptrs, inside, EVEN: tl.constexpr):
     """A tile through per-element pointers: masked by `inside` (zeros outside) unless EVEN says every
-    pointer is inside. The mask costs per element even where it is all true (docs/model_speed.md)."""
+    pointer is inside. The mask costs per element even where it is all true."""
     if EVEN:
         return tl.load(ptrs)
     else:
@@ -141,8 +126,8 @@ def _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M: tl.constexpr, CAUSAL: tl.conste
 
 @triton.jit
 def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OFF, V_OFF,
-                H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
-                HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
+                HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -159,8 +144,7 @@ def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OF
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES,
-                          EVEN_M and EVEN_N)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N)
         s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
                     EVEN_N, IEEE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -209,14 +193,13 @@ def _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, del
 @triton.jit
 def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
                      sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
-                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
-                     HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
-                     CAUSAL: tl.constexpr, IEEE: tl.constexpr, STORE_DS: tl.constexpr, D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
-                     EVEN_N: tl.constexpr):
+                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
+                     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                     IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """dK, dV of one key block of one (batch, head): walks all query blocks. Both land in DKV, laid
     out like KV (k at K_OFF, v at V_OFF): a packed source gets its gradient as one buffer.
-    STORE_DS: also stores dS (B, H, SQ, SK) in the input dtype, for dQ = dS K
+    HAS_BIAS: also stores dS (B, H, SQ, SK) in the input dtype, for dQ = dS K
     (`_bwd_dq_from_ds_kernel`) and the bias gradient."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -231,18 +214,17 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
     if CAUSAL:  # query rows before (key - offset) cannot see this key block
         start_m = tl.maximum(pid_n * BLOCK_N - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M
     if BLOCK_M >= 64:  # a query block at least (`_check_lengths`); else ptxas serializes the wgmma.
-        # Not for thinner query blocks: with it, Triton 3.6's code for them raced on an H200 (dK
-        # wrong and different from run to run without a bias, docs/model_speed.md); serialized, it is right.
+        # Not for thinner query blocks: with it, Triton 3.6's code for them races on an H200 (dK
+        # wrong and different from run to run without a bias); serialized, it is right.
         tl.assume(SQ > start_m)
     for sm in range(start_m, SQ, BLOCK_M):
         offs_m = sm + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
         do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-        bias = _bias_tile(BIAS, h, sm, pid_n * BLOCK_N, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES,
-                          EVEN_M and EVEN_N)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N)
         p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
-        if STORE_DS:
+        if HAS_BIAS:
             _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
@@ -251,15 +233,14 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
+def _bwd_dq_kernel(Q, KV, KMASK, DO, LSE, DELTA, DQ,
                    sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
-                   H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
-                   HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
-                   CAUSAL: tl.constexpr, IEEE: tl.constexpr, DS_MODE: tl.constexpr, D: tl.constexpr,
+                   H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
+                   HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    """dQ of one query block of one (batch, head): walks all key blocks. DS_MODE 1: also stores
-    dS (B, H, SQ, SK) in the input dtype, which the bias gradient then sums over the batch; 2: adds
-    dS into DS, one fp32 (H, SQ, SK) buffer, with atomic adds (the bias gradient itself)."""
+    """dQ of one query block of one (batch, head) of an attention without a bias: walks all key
+    blocks, recomputing P and dP = dO V^T per tile (with a bias, dQ comes from the stored dS:
+    `_bwd_dq_from_ds_kernel`)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -274,15 +255,8 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, pid_m * BLOCK_M, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES,
-                          EVEN_M and EVEN_N)
-        p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
-                                   CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
-        if DS_MODE == 1:
-            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
-        elif DS_MODE == 2:
-            tl.atomic_add(DS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], ds,
-                          mask=_inside(offs_m, offs_n, SQ, SK), sem="relaxed")
+        p, ds = _probs_and_dscores(q, kt, vt, do, 0.0, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+                                   CAUSAL_OFFSET, LSE_STRIDE, False, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
     _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
 
@@ -290,17 +264,16 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ, DS,
 @triton.jit
 def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
                           sqb, sqs, skb, sks, sdob, sdos, sob, sos, sdqb, sdqs, sdkb, sdks, K_OFF, V_OFF,
-                          H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, FAR,
-                          HAS_BIAS: tl.constexpr, FAR_TILES: tl.constexpr, HAS_MASK: tl.constexpr,
-                          CAUSAL: tl.constexpr, IEEE: tl.constexpr, STORE_DS: tl.constexpr,
-                          PACKED_GRAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
+                          HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                          IEEE: tl.constexpr, PACKED_GRAD: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """dQ, dK and dV of one (batch, head) whose SQ <= BLOCK_M queries are one block (T5's 114
     targets): walks the key blocks once. Each key block has this one query block to see, so its dK
     and dV are final after one tile and are stored at once, while dQ gathers in registers: one pass,
     5 GEMMs and one exp2 per score, where the two kernels of longer queries take 7 and two (or a
     round trip of dS through memory). It holds all the rows, so it computes their rowsum(dO * O)
-    itself and loads their softmax statistics once. STORE_DS: also stores dS (B, H, SQ, SK) for the
+    itself and loads their softmax statistics once. HAS_BIAS: also stores dS (B, H, SQ, SK) for the
     bias gradient. PACKED_GRAD (self-attention): dK and dV go into DQ, the [q | k | v] source's gradient,
     and DKV is not read (one buffer passed twice would be two written arguments to torch.compile,
     which copies one of them)."""
@@ -322,10 +295,10 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, 0, start_n, offs_m, offs_n, SQ, SK, FAR, HAS_BIAS, FAR_TILES, EVEN_M and EVEN_N)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N)
         p, ds = _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, delta, b, offs_m, offs_n,
                                            SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
-        if STORE_DS:
+        if HAS_BIAS:
             _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
         ds = ds.to(q.dtype)
         _store_rows(DKV + V_OFF, _dot(tl.trans(p.to(do.dtype)), do, IEEE), b, h, offs_n, sdkb, sdks, SK, D)
@@ -335,21 +308,13 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
 
 
 @triton.jit
-def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, CAUSAL_OFFSET, CHUNKS,
-                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, REL_GRAD: tl.constexpr, D: tl.constexpr,
+def _bwd_dq_from_ds_kernel(DS, KV, DQ, skb, sks, sdqb, sdqs, K_OFF, H, SQ, SK, CAUSAL_OFFSET,
+                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
                            EVEN_N: tl.constexpr):
     """dQ = dS K of one query block of one (batch, head) from the dS the dK/dV kernel stored: the
     same products, in the same order, as `_bwd_dq_kernel` with its tiles, without recomputing P
-    and dP. Reads dS once (a streaming GEMM).
-
-    REL_GRAD (square tiles, BLOCK_M == BLOCK_N): also sums each dS tile along its key - query
-    offsets, the gradient of a relative bias, while the tile is in registers. A tile's 2 * BLOCK_N - 1
-    offsets are two halves: the lower one (offsets start_n - m0 - BLOCK_N + 1 .. start_n - m0) plus
-    the previous tile's upper one is finished, and is stored as chunk start_n / BLOCK_N of this
-    program's CHUNKS (DREL: (B * H, query blocks, CHUNKS, BLOCK_N) fp32; chunk c holds the offsets
-    c * BLOCK_N - m0 - BLOCK_N + 1 + r); `_rel_grad_reduce_kernel` sums the chunks over the batch
-    and the query blocks."""
+    and dP. Reads dS once (a streaming GEMM)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -358,12 +323,6 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ,
     ds_rows = DS + bh.to(tl.int64) * SQ * SK + offs_m[:, None] * SK
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     end_n = _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M, CAUSAL)  # dS is 0 past the causal diagonal
-    if REL_GRAD:
-        r = tl.arange(0, BLOCK_N)
-        lower = tl.arange(0, BLOCK_M)[:, None] + r[None, :] - (BLOCK_M - 1)  # the tile's column on (row, r)
-        upper = tl.arange(0, BLOCK_M)[:, None] + r[None, :] + 1
-        chunks = DREL + (bh.to(tl.int64) * tl.num_programs(0) + pid_m) * CHUNKS * BLOCK_N + r
-        carry = tl.zeros([BLOCK_N], dtype=tl.float32)
     tl.assume(end_n > 0)
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -373,67 +332,7 @@ def _bwd_dq_from_ds_kernel(DS, KV, DQ, DREL, skb, sks, sdqb, sdqs, K_OFF, H, SQ,
         else:
             ds = tl.load(ds_rows + offs_n[None, :], mask=_inside(offs_m, offs_n, SQ, SK), other=0.0)
         dq += _dot(ds, tl.trans(kt), IEEE)
-        if REL_GRAD:  # rows and columns past SQ, SK loaded as 0: they add nothing
-            low = tl.where(lower >= 0, tl.gather(ds, tl.maximum(lower, 0), 1), 0.0)
-            high = tl.where(upper < BLOCK_N, tl.gather(ds, tl.minimum(upper, BLOCK_N - 1), 1), 0.0)
-            tl.store(chunks + start_n, carry + tl.sum(low.to(tl.float32), 0))
-            carry = tl.sum(high.to(tl.float32), 0)
-    if REL_GRAD:  # the last tile's upper half: chunk cdiv(end_n, BLOCK_N)
-        tl.store(chunks + (end_n + BLOCK_N - 1) // BLOCK_N * BLOCK_N, carry)
     _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
-
-
-@triton.jit
-def _rel_grad_reduce_kernel(DREL, GRAD, B, H, NM, CHUNKS, L, BASE, BLOCK_B: tl.constexpr, T: tl.constexpr):
-    """GRAD[h, t * T + r + BASE] = the sum over the batch b and the query blocks m of chunk
-    c = t - NM + 1 + m of (b, h, m) in DREL (see `_bwd_dq_from_ds_kernel`), for t in [0, NM + CHUNKS
-    - 1) and r in [0, T); BASE = SQ - NM * T places offset -(SQ - 1) at 0 of GRAD's L = SQ + SK - 1.
-    Each (h, t) is one program and its own T outputs, summed in one fixed order: deterministic."""
-    h = tl.program_id(0)
-    t = tl.program_id(1)
-    r = tl.arange(0, T)
-    rows = tl.arange(0, BLOCK_B)
-    acc = tl.zeros([T], dtype=tl.float32)
-    for m in range(tl.maximum(NM - 1 - t, 0), tl.minimum(NM - 1 - t + CHUNKS, NM)):  # 0 <= c < CHUNKS
-        c = t - NM + 1 + m
-        for b0 in range(0, B, BLOCK_B):
-            b = b0 + rows
-            ptrs = DREL + (((b.to(tl.int64) * H + h) * NM + m) * CHUNKS + c)[:, None] * T + r[None, :]
-            acc += tl.sum(tl.load(ptrs, mask=(b < B)[:, None], other=0.0), 0)
-    idx = t * T + r + BASE
-    tl.store(GRAD + h * L + idx, acc, mask=(idx >= 0) & (idx < L))
-
-
-@triton.jit
-def _bwd_dbias_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DBIAS,
-                      sqb, sqs, skb, sks, sdob, sdos, K_OFF, V_OFF,
-                      B, H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                      HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
-                      EVEN_N: tl.constexpr):
-    """dbias[h, tile] = sum over the batch of dS, reduced in registers (recomputes P and dO V^T).
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    h = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    visible = True
-    if CAUSAL:  # tiles wholly above the diagonal have no gradient
-        visible = pid_n * BLOCK_N <= pid_m * BLOCK_M + BLOCK_M - 1 + CAUSAL_OFFSET
-    if visible:
-        bias = _bias_tile(BIAS, h, 0, 0, offs_m, offs_n, SQ, SK, 0, True, False, EVEN_M and EVEN_N)  # every b's
-        for b in range(0, B):
-            q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
-            do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-            kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-            vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-            p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ,
-                                       SK, CAUSAL_OFFSET, LSE_STRIDE, True, HAS_MASK, CAUSAL, EVEN_N, IEEE)
-            acc += ds
-    tl.store(DBIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :], acc,
-             mask=_inside(offs_m, offs_n, SQ, SK))
 # fmt: on
 
 

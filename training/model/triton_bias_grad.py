@@ -1,7 +1,6 @@
-"""The fused attention's bias gradient from the stored dS (`triton_attention`, DBIAS_PATH "ds"): its
-sum over the batch, and a dense gradient's sums per key - query offset.
+"""The fused attention's bias gradient: the stored dS (`triton_attention`) summed over the batch.
 
-The dK/dV kernel (or the dQ or one-block kernel) stores dS (B, H, SQ, SK) in the input dtype; the
+The dK/dV kernel (or the one-block kernel) stores dS (B, H, SQ, SK) in the input dtype; the
 gradient of a bias (H, SQ, SK) shared by the batch is its sum over the batch, dbias[h, q, k] =
 sum_b dS[b, h, q, k]. `batch_sum` computes it in one fixed order, so that the bias gradient is
 bit-identical from run to run:
@@ -11,13 +10,12 @@ bit-identical from run to run:
   `_far_region_sums_kernel` read about half of it (0.15 ms). Each row of dS sums to 0 over its keys,
   so the sum over a row's larger far region is minus the sum of the rest of the row. The result is
   then exact per region of one bias value, not per element: all that T5's bucket gather takes from
-  it (docs/model_speed.md, "The far regions' bias gradient from the rows' zero sums").
+  it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -31,19 +29,15 @@ if importlib.util.find_spec("triton") is not None:
     )
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
-
-
 # The whole sum: BLOCK elements of one batch element per program, BLOCK_B batch elements per step.
-DS_SUM_BLOCK = _env_int("T5DS_ATTN_DS_SUM_BLOCK", 1024)
-DS_SUM_BLOCK_B = _env_int("T5DS_ATTN_DS_SUM_BLOCK_B", 8)
+DS_SUM_BLOCK = 1024
+DS_SUM_BLOCK_B = 8
 # The sum from the rows' zero sums: ROWS query rows by COLS keys per program, BLOCK_B batch elements
-# per step (benchmarks/ds_batch_sum.py's sweep on an H100: 4 x 64 with 2 took 0.178 ms, 8 x 64 with 4
+# per step (swept on an H100 at T5 base's encoder shape: 4 x 64 with 2 takes 0.178 ms, 8 x 64 with 4
 # 0.185, 16 x 64 with 8 0.35; the whole sum 0.31).
-DS_FAR_ROWS = _env_int("T5DS_ATTN_DS_FAR_ROWS", 4)
-DS_FAR_COLS = _env_int("T5DS_ATTN_DS_FAR_COLS", 64)
-DS_FAR_BLOCK_B = _env_int("T5DS_ATTN_DS_FAR_BLOCK_B", 2)
+DS_FAR_ROWS = 4
+DS_FAR_COLS = 64
+DS_FAR_BLOCK_B = 2
 
 
 def batch_sum_settings() -> tuple[int, ...]:
@@ -73,13 +67,3 @@ def batch_sum(ds: torch.Tensor, wrap, far: int = 0) -> torch.Tensor:
         ds, dbias, B, n, BLOCK_B=DS_SUM_BLOCK_B, BLOCK=DS_SUM_BLOCK, num_warps=4
     )
     return dbias
-
-
-def diagonal_sums(dense: torch.Tensor) -> torch.Tensor:
-    """(H, SQ, SK) -> (H, SQ + SK - 1): out[h, k - q + SQ - 1] = sum of dense[h, q, k] over the (q, k)
-    with that offset, in a fixed order (the gradient of `attention.dense_bias`'s input, without the
-    scatter-add that is not deterministic on CUDA). Row q is shifted right by SQ - 1 - q: rows flipped,
-    padded by SQ, flattened and re-cut at width SQ + SK - 1, each lands q' = SQ - 1 - q places on."""
-    H, SQ, SK = dense.shape
-    skewed = torch.nn.functional.pad(dense.flip(1), (0, SQ)).flatten(1)[:, : SQ * (SQ + SK - 1)]
-    return skewed.view(H, SQ, SQ + SK - 1).sum(1)

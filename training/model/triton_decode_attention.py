@@ -63,7 +63,7 @@ if _HAS_TRITON:
 
 
 # Slots per step of the loop. Decoding reads every visible slot once, so the kernel is bound by
-# memory, not by this choice (docs/finetune_sni.md has the measured step).
+# memory, not by this choice (docs/performance.md has the measured step).
 BLOCK_N = 32
 
 

@@ -10,7 +10,8 @@ the upstream gradient are read once and both halves of the gradient written once
 
 Arithmetic in fp32 whatever the storage dtype; one rounding to the output dtype.
 `gated_gelu_packed` dispatches: CUDA tensors with triton installed use the kernels (wrapped with
-`torch.library.triton_op`, so torch.compile keeps them in its graph), anything else the torch ops.
+`torch.library.triton_op`, so torch.compile keeps them in its graph), anything else the torch ops of
+`gated_gelu_reference`, which are also the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ if _HAS_TRITON:
 
     @triton.jit
     def gated_gelu_fp32(gate, lin):
-        """gelu_tanh(gate) * lin on fp32 tiles (the forward kernel's arithmetic, and any other
-        kernel's that computes the activation in its epilogue: benchmarks/ffn_epilogue.py)."""
+        """gelu_tanh(gate) * lin on fp32 tiles (the forward kernel's arithmetic)."""
         t = _tanh((gate + gate * _GELU_CUBIC * gate * gate) * _SQRT_2_OVER_PI)
         return 0.5 * gate * (1.0 + t) * lin
 
@@ -135,13 +135,9 @@ def gated_gelu_reference(h: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * lin
 
 
-# False: torch ops everywhere (benchmark variant `torchgelu`, to compare with inductor's kernels).
-ENABLED = True
-
-
 def kernel_applies(h: torch.Tensor) -> bool:
     """True when `gated_gelu_packed` would run the Triton kernels on `h`."""
-    return ENABLED and _OP is not None and h.is_cuda
+    return _OP is not None and h.is_cuda
 
 
 def gated_gelu_packed(h: torch.Tensor) -> torch.Tensor:

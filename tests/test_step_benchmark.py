@@ -1,0 +1,87 @@
+"""`python -m training.benchmark`, the training-step benchmark, on a machine without a GPU: its variant
+items and the regional compile that its `regional` item runs."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+ARGS = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
+                          optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
+
+
+def test_variant_items_parse():
+    """Every variant item sets what the module docstring says, on top of the command-line defaults;
+    the later of two items for one setting wins; every item that changes the step shows in the
+    printed row's label; an unknown item (such as a removed one) stops with its name."""
+    from training.benchmark import main, parse_variant, variant_label
+
+    v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,opteager,bf16residual,clipbefore,"
+                      "deterministic,regional,quackffn", ARGS)  # fmt: skip
+    assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
+                     opt_compiled=False, residual_dtype="autocast", clip_in_step=False, deterministic=True,
+                     regional=True, quack_ffn=True)  # fmt: skip
+    default = parse_variant("", ARGS)
+    assert default == dict(attention="triton", compile=True, fused_ce=True, batch_size=128, mode="",
+                           opt_compiled=True, residual_dtype="float32", clip_in_step=True, deterministic=False,
+                           regional=False, quack_ffn=False)  # fmt: skip
+    assert parse_variant("math", ARGS)["attention"] == "math"
+    for pair, field, value in (("nocompile,compile", "compile", True), ("nofusedce,fusedce", "fused_ce", True),
+                               ("opteager,optcompiled", "opt_compiled", True),
+                               ("bf16residual,fp32residual", "residual_dtype", "float32"),
+                               ("clipbefore,clipinstep", "clip_in_step", True),
+                               ("regional,wholemodel", "regional", False),
+                               ("quackffn,cublasffn", "quack_ffn", False)):  # fmt: skip
+        assert parse_variant(pair, ARGS)[field] == value, pair
+    labels = {item: variant_label(parse_variant(item, ARGS)) for item in
+              ("", "opteager", "bf16residual", "clipbefore", "deterministic", "regional", "quackffn")}  # fmt: skip
+    assert len(set(labels.values())) == len(labels), labels
+    for item in ("fast", "cudnn", "flex", "nobias", "dbiaskernel", "fartiles", "nopdl", "torchgelu"):
+        with pytest.raises(SystemExit, match=item):
+            parse_variant(f"triton,{item}", ARGS)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            main([])
+
+
+def test_regional_compile_variant_keeps_loss_and_gradients():
+    """The `regional` variant (each block, the final norms and the loss compiled on their own;
+    inductor on CPU here) gives eager's loss and gradients, and `run_variant` puts the model module's
+    loss back afterwards, also when the run fails."""
+    from training import benchmark as bench
+    from training.model import T5Config, T5ForConditionalGeneration, t5
+
+    original = t5.fused_linear_cross_entropy
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math")))
+    eager, regional = models
+    x, y = torch.randint(0, 100, (2, 12)), torch.randint(0, 100, (2, 5))
+    losses = []
+
+    def fake_run(variant, args, device):
+        bench._compile_regions(regional, {})
+        assert t5.fused_linear_cross_entropy is not original
+        assert all("forward" in vars(block) for block in (*regional.encoder.block, *regional.decoder.block))
+        for model in (eager, regional):
+            loss = model(input_ids=x, labels=y, return_logits=False).loss
+            loss.backward()
+            losses.append(loss.detach())
+        raise RuntimeError("out of memory")
+
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(bench, "_run_variant", fake_run)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                bench.run_variant(bench.parse_variant("regional", ARGS), ARGS, torch.device("cpu"))
+        assert t5.fused_linear_cross_entropy is original
+    finally:
+        torch._dynamo.reset()
+        t5.fused_linear_cross_entropy = original
+    assert len(losses) == 2
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (name, a), b in zip(eager.named_parameters(), regional.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5 * float(a.grad.abs().max()), msg=name)
