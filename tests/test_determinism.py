@@ -39,9 +39,9 @@ def _train_tiny_on_gpu(steps: int = 6, pdl: bool = True) -> list[torch.Tensor]:
     """Parameters after `steps` compiled bf16 training steps of a tiny T5 (fused attention and GELU
     kernels, fused cross-entropy, compiled AdamWScale) from seed 0, compiled with the options training
     uses (`compile_options`: PDL unless `pdl` is False)."""
+    from training.compile_settings import compile_options
     from training.model import T5Config, T5ForConditionalGeneration
     from training.optim import build_optimizer
-    from training.run_setup import compile_options
 
     torch._dynamo.reset()
     torch.manual_seed(0)

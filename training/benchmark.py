@@ -40,12 +40,12 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+from training.compile_settings import compile_cache_outcomes, compile_options
 from training.determinism import set_deterministic
 from training.grad_clip import GradClip
 from training.model import T5Config, T5ForConditionalGeneration, quack_ffn, t5
 from training.model.config import RESIDUAL_DTYPES
 from training.model.flops import measure_matmul_tflops, model_flops_per_step
-from training.run_setup import compile_cache_outcomes, compile_options
 from training.zero3_compile import _compiled_block_forward
 
 ATTENTION_BACKENDS = ("triton", "sdpa", "math")

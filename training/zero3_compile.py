@@ -32,7 +32,8 @@ import logging
 import torch
 
 from training.compile_settings import compile_options
-from training.model.t5 import T5Block, rms_norm
+from training.model.t5 import T5Block
+from training.model.triton_add_norm import rms_norm
 
 logger = logging.getLogger(__name__)
 
