@@ -108,10 +108,10 @@ def test_gpu_only_benchmarks_say_what_they_need():
 
 
 def test_sni_generation_benchmark_runs_on_cpu_greedy_and_beam():
-    """`training.sni.benchmark_eval` prints one JSON row per batch size, for greedy and beam search,
+    """`benchmarks/sni_generation.py` prints one JSON row per batch size, for greedy and beam search,
     and greedy with eager steps (the flag reaches `generate`, which refuses nothing on CPU)."""
     for beams, graph in ((1, "--cuda-graph"), (2, "--cuda-graph"), (1, "--no-cuda-graph")):
-        r = subprocess.run([sys.executable, "-m", "training.sni.benchmark_eval", "--data", "tests/assets/sni",
+        r = subprocess.run([sys.executable, "benchmarks/sni_generation.py", "--data", "tests/assets/sni",
                             "--preset", "tiny", "--instances", "6", "--batch-sizes", "3", "6", "--max-new-tokens",
                             "3", "--dtype", "fp32", "--num-beams", str(beams), graph],
                            cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip

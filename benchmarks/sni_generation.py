@@ -1,6 +1,6 @@
 """Time SNI generation (the costly part of `evaluate_sni`) for a model size on this machine.
 
-    python -m training.sni.benchmark_eval --data /work/shared/data/sni --preset base \
+    python benchmarks/sni_generation.py --data /path/to/sni --preset base \
         --instances 1024 --batch-sizes 32 64 128 [--checkpoint HF_DIR] [--dtype bf16] [--num-beams 4]
         [--no-cuda-graph]
 
@@ -15,14 +15,18 @@ import argparse
 import functools
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from training.evaluate_sni import load_model_for_eval
-from training.model import T5Config, T5ForConditionalGeneration
-from training.sni.encoding import SNITokenizer
-from training.sni.evaluate import build_eval_set, generate_predictions
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.evaluate_sni import load_model_for_eval  # noqa: E402
+from training.model import T5Config, T5ForConditionalGeneration  # noqa: E402
+from training.sni.encoding import SNITokenizer  # noqa: E402
+from training.sni.evaluate import build_eval_set, generate_predictions  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
