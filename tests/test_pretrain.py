@@ -253,10 +253,10 @@ def test_export_loads_in_transformers(reference_run, tmp_path):
 
 def test_plot_metrics_writes_an_image(reference_run, tmp_path):
     pytest.importorskip("matplotlib")
-    from training.plot_metrics import curves, main
+    from training.plot_metrics import main, run_series
 
-    c = curves(reference_run)
-    assert c["train"][0] == list(range(1, STEPS + 1)) and c["eval"][0] == [STEPS]
+    series = run_series(reference_run)
+    assert series[("train", "loss")][0] == list(range(1, STEPS + 1)) and series[("eval", "eval_loss")][0] == [STEPS]
     image = tmp_path / "loss.png"
     assert main([str(reference_run), "--out", str(image)]) == 0
     assert image.stat().st_size > 1000
