@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"{out} exists and is not an empty directory: choose a new directory (nothing was written)",
-              file=sys.stderr)
+        what = "is not empty" if out.is_dir() else "is a file"
+        print(f"{out} exists and {what}: choose a new directory (nothing was written)", file=sys.stderr)
         return 2
     # Here, not at the top: --help and argument errors do not wait for torch and the model.
     from training.checkpoint import load_run_model
