@@ -227,20 +227,16 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(shards, tmp_path):
 
 
 def test_export_loads_in_transformers(reference_run, tmp_path):
-    from safetensors.torch import load_file
     from transformers import T5ForConditionalGeneration as HFT5
 
     from training.checkpoint import load_run_model
 
     out = tmp_path / "hf"
-    subprocess.run([sys.executable, "-m", "training.export", str(reference_run), str(out)], cwd=REPO,
-                   env=_env(), check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "training.export", str(reference_run), str(out), "--max-shard-size", "5MB"],
+                   cwd=REPO, env=_env(), check=True, capture_output=True)
+    assert (out / "model.safetensors.index.json").is_file() and (out / "generation_config.json").is_file()
     ours, _ = load_run_model(reference_run)
-    hf = HFT5.from_pretrained(out)
-    # transformers 5 ties lm_head to shared on load; T5 v1.1's head is untied (docs/model.md):
-    # give it back its own weights from the exported file.
-    hf.config.tie_word_embeddings = False
-    hf.lm_head.weight = torch.nn.Parameter(load_file(out / "model.safetensors")["lm_head.weight"])
+    hf = HFT5.from_pretrained(out)  # T5 v1.1's untied head loads as it is (docs/model.md)
     assert not torch.equal(hf.lm_head.weight, hf.shared.weight)
     gen = torch.Generator().manual_seed(0)  # fixed inputs: the comparison does not depend on test order
     ids = torch.randint(2, 32000, (2, 12), generator=gen)
@@ -257,10 +253,10 @@ def test_export_loads_in_transformers(reference_run, tmp_path):
 
 def test_plot_metrics_writes_an_image(reference_run, tmp_path):
     pytest.importorskip("matplotlib")
-    from training.plot_metrics import curves, main
+    from training.plot_metrics import main, run_series
 
-    c = curves(reference_run)
-    assert c["train"][0] == list(range(1, STEPS + 1)) and c["eval"][0] == [STEPS]
+    series = run_series(reference_run)
+    assert series[("train", "loss")][0] == list(range(1, STEPS + 1)) and series[("eval", "eval_loss")][0] == [STEPS]
     image = tmp_path / "loss.png"
     assert main([str(reference_run), "--out", str(image)]) == 0
     assert image.stat().st_size > 1000

@@ -19,7 +19,7 @@ from training.finetune_config import FinetuneConfig
 from training.metrics import MetricsLogger, read_metrics
 from training.model import T5ForConditionalGeneration
 from training.model.config import T5Config
-from training.plot_metrics import curves
+from training.plot_metrics import run_series
 from training.run_dir import RunDir, step_dirname
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_checkpoints_metrics_and_plots_use_the_run_directory(tmp_path):
     metrics.log("eval", {"step": 2, "eval_loss": 4.5})
     metrics.close()
     assert [r["loss"] for r in read_metrics(run.metrics_file, "train")] == [5.0, None]
-    assert curves(run) == {"train": ([1], [5.0]), "eval": ([2], [4.5])}
+    assert run_series(run) == {("train", "loss"): ([1], [5.0]), ("eval", "eval_loss"): ([2], [4.5])}
     MetricsLogger(RunDir(tmp_path / "other"), rank=1).log("train", {"step": 1})  # rank 1 writes nothing
     assert not (tmp_path / "other").exists()
 

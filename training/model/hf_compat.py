@@ -2,8 +2,8 @@
 
 Our parameter names are HF's, so loading is a key clean-up (prefixes, tied aliases) plus dtype
 conversion. The exported directory loads with transformers' `T5ForConditionalGeneration
-.from_pretrained`; transformers 5 then ties lm_head to the embedding (see docs/model.md and
-`untie_hf_lm_head`), transformers 4 reads `"tie_word_embeddings": false` and keeps it untied.
+.from_pretrained`; what each transformers version does with T5 v1.1's untied head is in
+docs/model.md (`untie_hf_lm_head` makes any version keep it).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from training.model.t5 import T5ForConditionalGeneration
 logger = logging.getLogger(__name__)
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt")
+# save_pretrained's default shard size in transformers 5 (4.x: "5GB"); a test compares it with the
+# installed transformers'.
+DEFAULT_MAX_SHARD_SIZE = "50GB"
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # Prefixes that wrappers add to parameter names: torch.compile, DDP/DeepSpeed, nanoT5/accelerate.
 _STRIP_PREFIXES = ("_orig_mod.", "module.", "model.")
@@ -135,15 +139,23 @@ def save_hf_directory(
     model: T5ForConditionalGeneration,
     out_dir: str | os.PathLike,
     tokenizer_path: str | os.PathLike | None = None,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: str = "float32",
 ) -> Path:
-    """Write config.json, model.safetensors (fp32) and, given the SentencePiece model, tokenizer files.
+    """Write what `save_pretrained` writes: config.json, generation_config.json, the weights as
+    safetensors (one model.safetensors, or shards of at most `max_shard_size` with
+    model.safetensors.index.json) and, given the SentencePiece model, the tokenizer files.
 
-    The directory loads with transformers' `T5ForConditionalGeneration.from_pretrained` and
-    `AutoTokenizer.from_pretrained`. Files are written to a temporary directory first and renamed, so
-    a crash leaves no half-written export under out_dir.
+    dtype: "float32" or "bfloat16" for the weights. The directory loads with transformers'
+    `T5ForConditionalGeneration.from_pretrained` and `AutoTokenizer.from_pretrained`. Files are
+    written to a temporary directory first and renamed, so a crash leaves no half-written export
+    under out_dir; every file gets the mode the umask gives a new file.
     """
-    from safetensors.torch import save_file
+    from huggingface_hub import save_torch_state_dict
 
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory or remove it")
@@ -151,14 +163,35 @@ def save_hf_directory(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(model.config.to_hf_config(), indent=2) + "\n")
-    save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = {**model.config.to_hf_config(), "torch_dtype": dtype}
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    _write_generation_config(model.config, tmp)
+    state = {name: tensor.to(EXPORT_DTYPES[dtype]) for name, tensor in hf_state_dict(model).items()}
+    save_torch_state_dict(state, tmp, max_shard_size=max_shard_size)
     if tokenizer_path is not None:
         _write_tokenizer(Path(tokenizer_path), tmp)
+    _give_files_the_umask_mode(tmp, like=tmp / "config.json")
     if out_dir.exists():
         out_dir.rmdir()
     tmp.rename(out_dir)
     return out_dir
+
+
+def _write_generation_config(config: T5Config, out_dir: Path) -> None:
+    """generation_config.json with T5's special ids, as save_pretrained writes it."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(decoder_start_token_id=config.decoder_start_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(str(out_dir))
+
+
+def _give_files_the_umask_mode(directory: Path, like: Path) -> None:
+    """safetensors writes its files with mode 0600 whatever the umask; give every file the mode of
+    `like`, a file opened the ordinary way (0666 less the umask)."""
+    mode = like.stat().st_mode & 0o777
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(mode)
 
 
 def _write_tokenizer(spiece_model: Path, out_dir: Path) -> None:
@@ -174,8 +207,10 @@ def _write_tokenizer(spiece_model: Path, out_dir: Path) -> None:
 
 
 def untie_hf_lm_head(hf_model, model_dir: str | os.PathLike) -> None:
-    """Undo transformers 5's forced tying on a T5 v1.1 model loaded with from_pretrained: give lm_head
-    its own Parameter with the file's `lm_head.weight` and stop output scaling."""
+    """Make a T5 v1.1 model that transformers 5 loaded with from_pretrained keep its own head: lm_head
+    its own Parameter with the file's `lm_head.weight`, no decoder output scaling (5.0.0 scales),
+    and `tie_word_embeddings=False` in its config (5.x reads True: a later `tie_weights()` ties the
+    head, and under 5.0.0 a save_pretrained and reload scales the outputs)."""
     state = _read_directory_weights(Path(model_dir))
     if "lm_head.weight" not in state:
         raise ValueError(f"{model_dir} has no lm_head.weight: the checkpoint really is tied (original T5)")
