@@ -480,13 +480,11 @@ class CheckpointManager:
         if not latest_file.is_file():
             return
         latest_name = latest_file.read_text().strip()
-        if chosen is not None and latest_name == chosen.name:
-            return
+        if (chosen is not None and latest_name == chosen.name) or latest_name in self.damaged:
+            return  # a damaged checkpoint's warning is said once, when it is skipped
         target = self.root / latest_name
         if not target.is_dir():
             why = "does not exist"
-        elif latest_name in self.damaged:
-            why = "is damaged"
         elif self.problems(target):
             why = "is incomplete"
         else:

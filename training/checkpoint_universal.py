@@ -6,9 +6,10 @@ elsewhere as it is).
     deepspeed --num_gpus 2 training/pretrain.py --config ... --deepspeed_config ds_configs/zero3.json \
         output_dir=NEW_RUN_DIR
 
-NEW_RUN_DIR gets `checkpoints/step_N` in universal layout (one fp32 weight + Adam moments file per
-parameter, written by DeepSpeed's ds_to_universal), the per-rank data cursors and RNG states, and a
-meta.json marked `"universal": true`; the trainer sees that mark and loads it with DeepSpeed's
+The source checkpoint's checksums are verified first. NEW_RUN_DIR gets `checkpoints/step_N` in
+universal layout (one fp32 weight + Adam moments file per parameter, written by DeepSpeed's
+ds_to_universal), the per-rank data cursors and RNG states, and a meta.json with the new files'
+checksums, marked `"universal": true`; the trainer sees that mark and loads it with DeepSpeed's
 `checkpoint.load_universal`. The source run is not modified.
 """
 
