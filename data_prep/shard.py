@@ -44,6 +44,7 @@ from data_prep.progress import (
     diff_fingerprints,
     fresh_split_state,
     load_progress,
+    remove_progress,
     save_progress,
     write_json_atomic,
 )
@@ -383,16 +384,6 @@ def _empty_split_message(split: str, s: dict, source: Source | None, cfg: ShardC
     return f"{head}; {fix}. No manifest was written: {after}"
 
 
-def _remove_empty_run(out: Path, splits: list[str]) -> None:
-    """Remove the resume state and the empty split directories of a run that wrote no shard at all, so
-    that the command, rerun with other options, starts afresh in the same directory."""
-    for name in [STATE_NAME] + [f"progress-{split}.jsonl" for split in splits]:
-        (out / name).unlink(missing_ok=True)
-    for split in splits:
-        if (out / split).is_dir() and not any((out / split).iterdir()):
-            (out / split).rmdir()
-
-
 def run_sharding(cfg: ShardConfig) -> dict:
     """Shard `cfg.input` into `cfg.output`; resumes an interrupted run. Returns the manifest."""
     started = datetime.now(timezone.utc)
@@ -478,7 +469,7 @@ def run_sharding(cfg: ShardConfig) -> dict:
     if empty:
         kept = [split for split in state["splits"] if split not in empty]
         if not kept:
-            _remove_empty_run(out, list(state["splits"]))
+            remove_progress(out, list(state["splits"]))
         split = empty[0]
         raise EmptySplitError(_empty_split_message(split, state["splits"][split], sources.get(split), cfg,
                                                    first_skips.get(split, {}), kept))
