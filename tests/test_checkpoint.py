@@ -28,6 +28,7 @@ from training.checkpoint import (
     checkpoint_state_dict,
     newest_checkpoint,
 )
+from training.checkpoint_universal import convert_to_universal
 from training.config_loader import load_run_config
 from training.distributed import shutdown_distributed
 from training.ds_config import resolve_ds_config
@@ -305,6 +306,9 @@ def test_flipped_exponent_bit_is_caught_and_the_previous_checkpoint_loads(dist1,
     assert newest_checkpoint(tmp_path / "run") == found
     with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt: bytes"):
         checkpoint_state_dict(root / "step_00000002")
+    with pytest.raises(RuntimeError, match="cannot convert .*mp_rank_00_model_states.pt: bytes"):
+        convert_to_universal(tmp_path / "run", tmp_path / "universal", root / "step_00000002")
+    assert not (tmp_path / "universal").exists()
     # the damaged checkpoint stays on disk; saving its step again keeps it aside under another name
     manager = _manager(tmp_path)
     assert manager.find_resumable() == found
