@@ -142,3 +142,14 @@ def diff_fingerprints(a: dict, b: dict, prefix: str = "") -> list[str]:
         elif va != vb:
             out.append(f"{prefix}{k}: {json.dumps(va)[:120]} (in DIR) vs {json.dumps(vb)[:120]} (now)")
     return out
+
+
+def remove_progress(out: str | os.PathLike, splits: list[str]) -> None:
+    """Remove the resume state and the empty split directories of a run that wrote no shard at all, so
+    that the command, rerun with other options, starts afresh in the same directory."""
+    out = Path(out)
+    for name in [STATE_NAME] + [_shard_log(out, split).name for split in splits]:
+        (out / name).unlink(missing_ok=True)
+    for split in splits:
+        if (out / split).is_dir() and not any((out / split).iterdir()):
+            (out / split).rmdir()

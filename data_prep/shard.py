@@ -44,6 +44,7 @@ from data_prep.progress import (
     diff_fingerprints,
     fresh_split_state,
     load_progress,
+    remove_progress,
     save_progress,
     write_json_atomic,
 )
@@ -59,6 +60,10 @@ from data_prep.shard_format import (
     write_shard_atomic,
 )
 from data_prep.sources import (
+    CORRUPT_GZIP,
+    INVALID_JSON,
+    MISSING_TEXT_FIELD,
+    NON_UTF8,
     SOURCE_KINDS,
     TXT_MODES,
     FileSource,
@@ -83,6 +88,10 @@ class DataError(RuntimeError):
 
 class OptionsMismatch(RuntimeError):
     """The output directory was started with other options."""
+
+
+class EmptySplitError(DataError):
+    """A split ended with no rows; the message gives the counts and the likely fix."""
 
 
 @dataclass
@@ -242,6 +251,7 @@ class _SkipLog:
         self.split, self.cfg, self.out, self.finished = split, cfg, out, finished
         self.counts = Counter(counts)
         self.warned: Counter = Counter()
+        self.first: dict[str, str] = {}  # reason -> "file:line: detail" of its first skip in this process
 
     def skip(self, label: str, line: int, reason: str, detail: str) -> None:
         where = f"{label}:{line}"
@@ -253,6 +263,7 @@ class _SkipLog:
             )
         self.counts[reason] += 1
         self.warned[reason] += 1
+        self.first.setdefault(reason, f"{where}: {detail}")
         if self.warned[reason] <= self.cfg.max_warnings:
             logger.warning("%s: skipped document (%s): %s", where, reason, detail)
             if self.warned[reason] == self.cfg.max_warnings:
@@ -267,7 +278,8 @@ def _run_split(
     state: dict,
     save_state,
     executor: ProcessPoolExecutor | None,
-) -> None:
+) -> dict[str, str]:
+    """Shard one split; returns the first skip of each reason (for the message of an empty split)."""
     out = Path(cfg.output)
     split_dir = out / split
     split_dir.mkdir(parents=True, exist_ok=True)
@@ -334,6 +346,42 @@ def _run_split(
             sum(skips.counts.values()),
             summary,
         )
+    return skips.first
+
+
+# The likely fix of a split that ended with no rows, by the reason most of its records were skipped for.
+_EMPTY_SPLIT_FIXES = {
+    MISSING_TEXT_FIELD: "the records have no text field {field!r}: pass --text-field with the field that holds the text",
+    CORRUPT_GZIP: "the .gz input could not be decompressed: check that the files are complete gzip files",
+    INVALID_JSON: "the lines are not JSON: name a plain-text corpus .txt (one document per line, or "
+                  "--txt-mode blank-line)",
+    NON_UTF8: "the text is not UTF-8: re-encode the input as UTF-8",
+}
+
+
+def _empty_split_message(split: str, s: dict, source: Source | None, cfg: ShardConfig,
+                         first_skips: dict[str, str], kept: list[str]) -> str:
+    """One line: the split's counts, the likely fix, and what happened to the output directory."""
+    what = f"{source.num_units} input file(s)" if isinstance(source, FileSource) else "the input"
+    skipped = sum(s["skipped"].values())
+    counts = ", ".join(f"{r}={c}" for r, c in sorted(s["skipped"].items()))
+    head = (f"{split}: no rows were written: {what} gave {s['records']} records, {s['documents']} documents, "
+            f"{skipped} skipped" + (f" ({counts})" if counts else ""))
+    if s["records"] == 0:
+        fix = "the input is empty"
+    elif s["documents"] == 0:
+        reason = max(s["skipped"], key=s["skipped"].get)
+        fix = _EMPTY_SPLIT_FIXES.get(reason, "every record was skipped (see the warnings above)").format(
+            field=cfg.text_field)
+        if reason in first_skips:
+            fix += f" (first: {first_skips[reason]})"
+    else:
+        fix = (f"its {s['dropped_tail_tokens']} tokens make no row of {cfg.resolved_row_length}: give it more text, "
+               "or a smaller --input-length")
+    out = Path(cfg.output)
+    after = (f"the shards of {', '.join(kept)} in {out} are kept; shard this split again into a new --output"
+             if kept else f"nothing was kept in {out}; fix the input and run the same command again")
+    return f"{head}; {fix}. No manifest was written: {after}"
 
 
 def run_sharding(cfg: ShardConfig) -> dict:
@@ -409,13 +457,22 @@ def run_sharding(cfg: ShardConfig) -> dict:
         )
     else:
         init_worker(cfg.tokenizer, cfg.text_field, dtype.str)
+    first_skips: dict[str, dict[str, str]] = {}
     try:
         for split, split_state in state["splits"].items():
             if not split_state["done"]:
-                _run_split(split, sources[split], cfg, dtype, split_state, save_state, executor)
+                first_skips[split] = _run_split(split, sources[split], cfg, dtype, split_state, save_state, executor)
     finally:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
+    empty = [split for split, s in state["splits"].items() if not s["shards"]]
+    if empty:
+        kept = [split for split in state["splits"] if split not in empty]
+        if not kept:
+            remove_progress(out, list(state["splits"]))
+        split = empty[0]
+        raise EmptySplitError(_empty_split_message(split, state["splits"][split], sources.get(split), cfg,
+                                                   first_skips.get(split, {}), kept))
 
     manifest = {
         "format": FORMAT_NAME,

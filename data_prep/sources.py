@@ -268,6 +268,21 @@ def _iter_parquet(path: str, text_field: str, start: int) -> Iterator[Record]:
             index += 1
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _check_gzip_magic(path: str) -> None:
+    """A file named .gz must start as gzip does (an empty one is an empty input); SourceError if not."""
+    if not path.lower().endswith(".gz") or not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head and not head.startswith(_GZIP_MAGIC):
+        plain = path[: -len(".gz")]
+        raise SourceError(f"{path} is named .gz but is not gzip-compressed (it starts with {head!r}): rename it to "
+                          f"{Path(plain).name} if it is plain text, or compress it with gzip")
+
+
 @dataclass(frozen=True)
 class FileSource:
     """An ordered list of local files (sorted glob matches)."""
@@ -286,6 +301,7 @@ class FileSource:
                 raise SourceError(
                     f"{path}: unsupported file type; supported: {', '.join(SUPPORTED_SUFFIXES)}"
                 )
+            _check_gzip_magic(path)
 
     @property
     def num_units(self) -> int:

@@ -7,8 +7,8 @@ with keys `{shard:06d}-{block:04d}` in order; blocks are 2-D with `row_length` c
 dtype, and `rows_per_block` rows (the last block may be short); row and token counts and sha256
 match the manifest entry; every id is below the vocabulary size. Per split: totals equal the sum of
 the shards. Tokenizer: its hash equals the manifest's, for `--tokenizer` if given, else for the
-manifest's recorded path if that exists. Exits 1 and prints every problem on a mismatch; exits 0
-with a one-line summary otherwise.
+manifest's recorded path if that exists. A dataset without any shard is a problem too. Exits 1 and
+prints every problem on a mismatch; exits 0 with a one-line summary otherwise.
 """
 
 from __future__ import annotations
@@ -101,6 +101,10 @@ def verify_dataset(data_dir: str | Path, tokenizer: str | None = None) -> tuple[
             )
         totals["rows"] += split_rows
         totals["tokens"] += split_tokens
+    empty = [split for split in manifest.get("splits", {}) if not split_shards(manifest, split)]
+    if empty or not manifest.get("splits"):
+        problems.append(f"{data_dir / 'manifest.json'}: {', '.join(empty) or 'no split'} holds no shards: there is "
+                        "nothing to train on there; shard the corpus again (data_prep.shard says why a split is empty)")
     return problems, totals
 
 

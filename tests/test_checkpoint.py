@@ -1,4 +1,5 @@
-"""Checkpoints with real DeepSpeed engines on CPU (gloo): round trip, rotation, crash safety, world-size change.
+"""Checkpoints with real DeepSpeed engines on CPU (gloo): round trip, rotation, crash safety, world-size
+change, content checksums (a flipped bit, a damaged rank state), a full disk, rotation around non-finite steps.
 
 The first DeepSpeed process group on a machine JIT-builds DeepSpeed's shared-memory comm op
 (about a minute on 2 cores, cached in ~/.cache/torch_extensions afterwards).
@@ -7,6 +8,8 @@ The first DeepSpeed process group on a machine JIT-builds DeepSpeed's shared-mem
 from __future__ import annotations
 
 import copy
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -18,7 +21,14 @@ import torch
 import torch.multiprocessing as mp
 
 from training import checkpoint as checkpoint_module
-from training.checkpoint import CheckpointManager
+from training.checkpoint import (
+    CheckpointDiskFullError,
+    CheckpointError,
+    CheckpointManager,
+    checkpoint_state_dict,
+    newest_checkpoint,
+)
+from training.checkpoint_universal import convert_to_universal
 from training.config_loader import load_run_config
 from training.distributed import shutdown_distributed
 from training.ds_config import resolve_ds_config
@@ -178,7 +188,7 @@ def test_partial_checkpoints_are_reported_skipped_and_kept(dist1, tmp_path, capl
     assert "mp_rank_00_model_states.pt has 100 bytes" in caplog.text
     assert "step_00000002" in caplog.text and "meta.json is missing" in caplog.text
     assert ".tmp-step_00000004" in caplog.text
-    assert "`latest` names step_00000003, which is incomplete" in caplog.text
+    assert "`latest` names" not in caplog.text  # step_00000003's damage is said once, in its own warning
     # nothing was deleted
     for name in ("step_00000002", "step_00000003", ".tmp-step_00000004"):
         assert (root / name).is_dir()
@@ -247,6 +257,151 @@ def test_crash_mid_save_leaves_only_tmp_and_retry_succeeds(dist1, tmp_path, monk
     assert manager.problems(root / "step_00000002") == []
 
 
+def _flip_exponent_bit(model_file: Path, tensor: torch.Tensor) -> None:
+    """Flip the top exponent bit of `tensor`'s first element where its fp32 bytes lie in `model_file`
+    (the file keeps its size, as a bit flipped on a disk or in a copy does)."""
+    raw = bytearray(model_file.read_bytes())
+    needle = tensor.detach().float().contiguous().numpy().tobytes()
+    at = raw.find(needle)
+    assert at >= 0 and raw.find(needle, at + 1) < 0
+    raw[at + 3] ^= 0x40  # little-endian float32: byte 3 holds the sign and the top 7 exponent bits
+    model_file.write_bytes(bytes(raw))
+
+
+def _two_checkpoints(tmp_path, **kw) -> tuple:
+    engine = _engine(stage=0, world_size=1, seed=0)
+    manager = _manager(tmp_path, **kw)
+    for step in (1, 2):
+        _train(engine, step, 1, rank=0)
+        manager.save(engine, step, _rank_state(0, step))
+    return engine, tmp_path / "run" / "checkpoints"
+
+
+def test_meta_records_the_sha256_of_every_file_and_the_run_config(dist1, tmp_path):
+    engine = _engine(stage=0, world_size=1, seed=0)
+    path = _manager(tmp_path, run_config={"seed": 7}).save(engine, 1, {**_rank_state(0, 1), "skipped_steps": 4})
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["version"] == 2 and meta["run_config"] == {"seed": 7} and meta["skipped_steps"] == 4
+    assert set(meta["checksums"]["files"]) == set(meta["files"]) and meta["checksums"]["algorithm"] == "sha256"
+    for name, digests in meta["checksums"]["files"].items():
+        assert digests == [hashlib.sha256((path / name).read_bytes()).hexdigest()]  # each < 64 MiB: one block
+
+
+def test_flipped_exponent_bit_is_caught_and_the_previous_checkpoint_loads(dist1, tmp_path, caplog):
+    engine, root = _two_checkpoints(tmp_path)
+    weight = engine.module[0].weight
+    _flip_exponent_bit(root / "step_00000002" / "mp_rank_00_model_states.pt", weight)
+    flipped = checkpoint_state_dict(root / "step_00000002", verify=False)["0.weight"]
+    assert abs(float(flipped.flatten()[0])) > 1e30  # what would be loaded without the checksums
+
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        found = _manager(tmp_path).find_resumable()
+    assert found == root / "step_00000001"
+    skipped = [r.getMessage() for r in caplog.records if "skipping damaged" in r.getMessage()]
+    assert len(skipped) == 1 and "step_00000002" in skipped[0] and len(caplog.records) == 1
+    assert "mp_rank_00_model_states.pt: bytes 0-" in skipped[0] and "do not match the sha256" in skipped[0]
+    step, _ = _manager(tmp_path).load(_engine(stage=0, world_size=1, seed=5), found)
+    assert step == 1
+    # export and `finetune init=` (newest_checkpoint, checkpoint_state_dict) see the same
+    assert newest_checkpoint(tmp_path / "run") == found
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt: bytes"):
+        checkpoint_state_dict(root / "step_00000002")
+    with pytest.raises(RuntimeError, match="cannot convert .*mp_rank_00_model_states.pt: bytes"):
+        convert_to_universal(tmp_path / "run", tmp_path / "universal", root / "step_00000002")
+    assert not (tmp_path / "universal").exists()
+    # the damaged checkpoint stays on disk; saving its step again keeps it aside under another name
+    manager = _manager(tmp_path)
+    assert manager.find_resumable() == found
+    assert manager.save(engine, 2, _rank_state(0, 2)) == root / "step_00000002"
+    assert (root / "step_00000002.damaged" / "mp_rank_00_model_states.pt").is_file()
+    assert manager.verify(root / "step_00000002") == []
+
+
+def test_damaged_rank_state_is_named_and_skipped_with_or_without_checksums(dist1, tmp_path, caplog):
+    _, root = _two_checkpoints(tmp_path)
+    rank_file = root / "step_00000002" / "rank_state_0.pt"
+    raw = rank_file.read_bytes()
+    assert raw.count(b"cursor") == 1  # a key of the pickled dict: damaged, it no longer decodes as UTF-8
+    rank_file.write_bytes(raw.replace(b"cursor", b"\xff" * 6))
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        assert _manager(tmp_path).find_resumable() == root / "step_00000001"
+    assert "rank_state_0.pt: bytes 0-" in caplog.text
+    # A checkpoint of an older version (no checksums): its rank states are test-read instead.
+    for step in (1, 2):
+        meta_path = root / f"step_0000000{step}" / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["checksums"]
+        meta_path.write_text(json.dumps(meta))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        assert _manager(tmp_path).find_resumable() == root / "step_00000001"
+    assert "rank_state_0.pt cannot be read (UnicodeDecodeError" in caplog.text
+    no_checksums = [r for r in caplog.records if "records no checksums" in r.getMessage()]
+    assert len(no_checksums) == 1 and "step_00000001" in no_checksums[0].getMessage()
+
+
+def test_when_every_checkpoint_is_damaged_resuming_is_refused(dist1, tmp_path):
+    _, root = _two_checkpoints(tmp_path)
+    for step in (1, 2):
+        model_file = root / f"step_0000000{step}" / "mp_rank_00_model_states.pt"
+        _flip_exponent_bit(model_file, checkpoint_state_dict(model_file.parent, verify=False)["2.bias"])
+    with pytest.raises(CheckpointError, match="no intact checkpoint under .*step_00000001, step_00000002 are damaged"):
+        _manager(tmp_path).find_resumable()
+    assert (root / "step_00000001").is_dir() and (root / "step_00000002").is_dir()
+
+
+def test_rotation_keeps_the_newest_checkpoint_written_before_nonfinite_updates(dist1, tmp_path, caplog):
+    engine = _engine(stage=0, world_size=1, seed=0)
+    manager = _manager(tmp_path, keep_last=2)
+    skipped_by_step = {1: 0, 2: 0, 3: 3, 4: 3, 5: 3, 6: 3}  # updates 3-5 were skipped (non-finite)
+    with caplog.at_level(logging.INFO, logger="training.checkpoint"):
+        for step, skipped in skipped_by_step.items():
+            _train(engine, step, 1, rank=0)
+            manager.save(engine, step, {**_rank_state(0, step), "skipped_steps": skipped})
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000005", "step_00000006"]
+    assert "keeping step_00000002 beyond checkpoint.keep_last=2" in caplog.text
+
+
+def test_disk_full_names_the_space_needed_removes_the_partial_checkpoint_and_keeps_the_rest(
+        dist1, tmp_path, monkeypatch):
+    engine = _engine(stage=0, world_size=1, seed=0)
+    manager = _manager(tmp_path)
+    first = manager.save(engine, 1, _rank_state(0, 1))
+    root = first.parent
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    size = sum(json.loads((first / "meta.json").read_text())["files"].values())
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", no_space)
+    with pytest.raises(CheckpointDiskFullError) as info:
+        manager.save(engine, 2, _rank_state(0, 2))
+    message = str(info.value)
+    assert "\n" not in message and str(root) in message and "checkpoint step_00000002" in message
+    assert f"needs about {size / 1e9:.2f} GB (the size of step_00000001)" in message
+    assert "resumes from step_00000001" in message
+    assert not (root / ".tmp-step_00000002").exists() and not (root / "step_00000002").exists()
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    assert (root / "latest").read_text().strip() == "step_00000001"
+
+    # torch's zip writer keeps no errno: its error counts as a full disk when less than the size is free
+    def writer_failed(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", writer_failed)
+    usage = checkpoint_module.shutil.disk_usage(root)
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: usage._replace(free=100))
+    fresh = _manager(tmp_path / "other")
+    with pytest.raises(CheckpointDiskFullError, match="the size of the model and optimizer state.*starts from step 0"):
+        fresh.save(engine, 1, _rank_state(0, 1))
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage", lambda path: usage._replace(free=10**15))
+    with pytest.raises(RuntimeError, match="unexpected pos") as info:  # with space free it is another failure
+        fresh.save(engine, 1, _rank_state(0, 1))
+    assert not isinstance(info.value, CheckpointDiskFullError)
+
+
 def _two_rank_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
     _init_dist(rank, world_size, port)
     for stage in (0, 1):
@@ -266,6 +421,18 @@ def _two_rank_worker(rank: int, world_size: int, port: int, out_dir: str) -> Non
         step, state = manager.load(fresh, found)
         assert step == 3 and state["rank"] == rank
         assert _train(fresh, 3, 2, rank=rank) == reference
+
+        # A damaged file of rank 1's: the ranks share the hashing and both skip the checkpoint.
+        damaged = manager.save(fresh, 5, _rank_state(rank, 5))
+        if rank == 0:
+            name = "zero_pp_rank_1_mp_rank_00_optim_states.pt" if stage else "rank_state_1.pt"
+            raw = bytearray((damaged / name).read_bytes())
+            raw[len(raw) // 2] ^= 0x01
+            (damaged / name).write_bytes(bytes(raw))
+        torch.distributed.barrier()
+        again = CheckpointManager(run_dir, keep_last=2, rank=rank, world_size=world_size)
+        assert again.find_resumable() == path
+        assert set(again.damaged) == {damaged.name}
     shutdown_distributed()
 
 
@@ -284,6 +451,9 @@ def test_two_rank_save_and_round_trip(two_rank_checkpoints):
         assert {"rank_state_0.pt", "rank_state_1.pt"} <= set(meta["files"])
         if stage == 1:
             assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(meta["files"])
+        # the two ranks hashed a share each; together they recorded every file's sha256
+        for name, digests in meta["checksums"]["files"].items():
+            assert digests == [hashlib.sha256((path / name).read_bytes()).hexdigest()], name
 
 
 def test_resume_two_rank_zero0_checkpoint_on_one_rank(dist1, two_rank_checkpoints, caplog):

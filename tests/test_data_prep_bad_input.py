@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.shard import DataError, ShardConfig, load_progress, run_sharding
+from data_prep.shard import DataError, EmptySplitError, ShardConfig, load_progress, run_sharding
 from data_prep.shard_format import sha256_file
 from data_prep.verify import verify_dataset
 
@@ -150,3 +150,68 @@ def test_many_bad_lines_warn_capped_but_all_counted(c4_train_path: Path, tmp_pat
     per_line = [r for r in caplog.records if "skipped document (invalid_json)" in r.getMessage()]
     assert len(per_line) == 5
     assert any("skipped 30 documents (invalid_json=30)" in r.getMessage() for r in caplog.records)
+
+
+def _shard_cli(repo_root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "data_prep.shard", *args, "--row-length", "64", "--no-progress",
+                           "--workers", "0"], cwd=repo_root, capture_output=True, text=True)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def test_a_file_named_gz_that_is_not_gzip_is_one_line_error_and_writes_nothing(c4_train_path, tmp_path, repo_root):
+    path = tmp_path / "c4-train.plain.json.gz"
+    path.write_bytes(b"\n".join(good_lines(c4_train_path, 20)) + b"\n")
+    proc = _shard_cli(repo_root, "--input", str(path), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    [line] = _error_lines(proc.stderr)
+    assert f"{path} is named .gz but is not gzip-compressed" in line and "c4-train.plain.json" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_input_is_one_line_error_and_leaves_nothing_to_block_a_rerun(tmp_path, repo_root):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(b"")
+    proc = _shard_cli(repo_root, "--input", str(path), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    [line] = _error_lines(proc.stderr)
+    assert "train: no rows were written: 1 input file(s) gave 0 records" in line and "the input is empty" in line
+    assert not (tmp_path / "out" / "manifest.json").exists() and not (tmp_path / "out" / "progress.json").exists()
+
+
+def test_lines_without_the_text_field_name_the_counts_and_text_field_then_the_fix_works(
+        c4_train_path, tmp_path, repo_root):
+    path = tmp_path / "body.jsonl"
+    path.write_bytes(b"\n".join(line.replace(b'"text"', b'"body"') for line in good_lines(c4_train_path, 60)) + b"\n")
+    out = tmp_path / "out"
+    proc = _shard_cli(repo_root, "--input", str(path), "--output", str(out))
+    assert proc.returncode == 2
+    [line] = _error_lines(proc.stderr)
+    assert "60 records, 0 documents, 60 skipped (missing_text_field=60)" in line
+    assert "pass --text-field" in line and "'body'" in line  # the first record's keys show the field to use
+    # the same command with the fix, into the same directory, works
+    fixed = _shard_cli(repo_root, "--input", str(path), "--output", str(out), "--text-field", "body")
+    assert fixed.returncode == 0, fixed.stderr
+    assert verify_dataset(out)[0] == []
+
+
+def test_too_little_text_for_one_row_is_an_error(tmp_path):
+    path = tmp_path / "short.jsonl"
+    path.write_bytes(b'{"text": "only a few words"}\n')
+    with pytest.raises(EmptySplitError, match="1 documents, 0 skipped; its [0-9]+ tokens make no row of 64"):
+        run_sharding(config(path, tmp_path / "out"))
+
+
+def test_an_empty_validation_split_keeps_the_train_shards(c4_train_path, tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_bytes(b"\n".join(good_lines(c4_train_path, 40)) + b"\n")
+    (tmp_path / "validation.jsonl").write_bytes(b"")
+    out = tmp_path / "out"
+    with pytest.raises(EmptySplitError, match="validation: no rows .* the shards of train in .* are kept"):
+        run_sharding(config(train, out, validation_input=str(tmp_path / "validation.jsonl")))
+    state = load_progress(out)
+    assert state["splits"]["train"]["shards"] and not (out / "manifest.json").exists()
+    for entry in state["splits"]["train"]["shards"]:
+        assert sha256_file(out / entry["path"]) == entry["sha256"]

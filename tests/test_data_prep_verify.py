@@ -102,3 +102,13 @@ def test_tokenizer_hash_mismatch_is_caught(ds: Path, spiece_path: Path, tmp_path
     problems, _ = verify_dataset(ds, tokenizer=str(other))
     assert len(problems) == 1 and "sha256" in problems[0] and "another tokenizer" in problems[0]
     assert verify_dataset(ds, tokenizer=str(spiece_path))[0] == []
+
+
+def test_a_dataset_without_shards_fails(ds: Path, capsys):
+    manifest = json.loads((ds / "manifest.json").read_text())
+    manifest["splits"] = {"train": {**manifest["splits"]["train"], "shards": [], "rows": 0, "tokens": 0}}
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    problems, _ = verify_dataset(ds)
+    assert any("train holds no shards" in p for p in problems), problems
+    assert verify_main([str(ds)]) == 1
+    assert "OK" not in capsys.readouterr().out

@@ -62,3 +62,12 @@ def test_sync_guard_and_engine_skips_are_counted_at_once():
     _step(model, opt, bad=False)
     watch.update()
     assert watch.in_a_row == 0
+
+
+def test_checkpoint_refusal_names_each_reason():
+    from training.nonfinite_watch import checkpoint_refusal
+
+    assert checkpoint_refusal(0, 2.5, 100.0) is None
+    assert "skipped for a non-finite loss or gradient (2 in a row)" in checkpoint_refusal(2, 2.5, 100.0)
+    assert "its loss is nan" in checkpoint_refusal(0, float("nan"), 100.0)
+    assert "the weights' L2 norm is inf" in checkpoint_refusal(0, 2.5, float("inf"))

@@ -1,5 +1,6 @@
 """End-to-end tests of `training/pretrain.py` on CPU: real bundled C4 shards, the tiny model,
-DeepSpeed with gloo, 1 and 2 ranks. Resume exactness, SIGTERM, non-finite stop, export, plot."""
+DeepSpeed with gloo, 1 and 2 ranks. Resume exactness, SIGTERM, non-finite stop, export, plot; resume with
+a changed config, past a damaged checkpoint, into non-finite steps; a dataset without validation split."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from training.checkpoint import checkpoint_state_dict
 from training.metrics import read_metrics
@@ -279,3 +281,91 @@ def test_zero2_checkpoint_resumes_on_another_stage_and_world_size(shards, tmp_pa
     for step in got:
         assert got[step] == pytest.approx(ref[step], rel=1e-4), step
     assert_weights_close(final_weights(new_run), final_weights(source), rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def five_step_run(shards, tmp_path_factory) -> Path:
+    """5 steps on one rank, checkpoints at 2, 4 and 5 (the end): the run that the resume tests continue."""
+    out = tmp_path_factory.mktemp("runs") / "five_steps"
+    train(out, shards, "optim.total_steps=5", "checkpoint.every_steps=2")
+    return out
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_resume_with_a_longer_run_and_a_new_lr_past_a_damaged_checkpoint(five_step_run, shards, tmp_path):
+    """optim.total_steps 5 -> 10 trains to 10 and optim.base_lr applies from the resume step on; the newest
+    checkpoint, damaged, is skipped by name for the one before it and kept aside when its step is saved again."""
+    from training.optim import lr_at
+
+    run = copy_run(five_step_run, tmp_path / "longer")
+    model_file = run / "checkpoints" / "step_00000005" / "mp_rank_00_model_states.pt"
+    raw = bytearray(model_file.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    model_file.write_bytes(bytes(raw))
+    proc = train(run, shards, "optim.total_steps=10", "optim.base_lr=5e-3", "checkpoint.every_steps=1")
+    assert "skipping damaged checkpoint" in proc.stderr and "mp_rank_00_model_states.pt: bytes" in proc.stderr
+    changed = [line for line in proc.stderr.splitlines() if "with changed settings" in line]
+    assert len(changed) == 1 and "resuming at step 4" in changed[0]
+    assert "optim.total_steps 5 -> 10" in changed[0] and "optim.base_lr 0.02 -> 0.005" in changed[0]
+    records = {r["step"]: r for r in read_metrics(run / "metrics.jsonl", "train")}
+    assert sorted(s for s in records if s > 4) == list(range(5, 11))
+    cfg = yaml.safe_load((run / "config.yaml").read_text())["optim"]  # what the run really used
+    assert cfg["base_lr"] == 5e-3 and cfg["total_steps"] == 10
+    for step in range(5, 11):  # the lr after each step, on the new base lr and the 10-step horizon
+        expected = lr_at(cfg["lr_scheduler"], step, base_lr=5e-3, warmup_steps=cfg["warmup_steps"], total_steps=10,
+                         final_lr=cfg["final_cosine"])
+        assert records[step]["lr"] == pytest.approx(expected, rel=1e-9), step
+    assert read_metrics(run / "metrics.jsonl", "eval")[-1]["step"] == 10
+    resume = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "resume"][-1]
+    # the copy's output_dir and the checkpoint interval changed too
+    assert set(resume["config_changes"]) == {"optim.total_steps", "optim.base_lr", "checkpoint.every_steps",
+                                             "output_dir"}
+    assert (run / "checkpoints" / "step_00000005.damaged" / "mp_rank_00_model_states.pt").is_file()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+
+
+def test_resume_with_another_model_shape_is_refused_and_changes_nothing(five_step_run, shards, tmp_path):
+    run = copy_run(five_step_run, tmp_path / "reshaped")
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    proc = subprocess.run(_command(run, shards, ["model.preset=small"], 1, "ds_configs/zero0.json"), cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0
+    assert "cannot resume from" in proc.stderr and "model.preset ('tiny' -> 'small'" in proc.stderr
+    assert {path: (run / path).read_bytes() for path in before} == before  # everything written is unchanged
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == checkpoints
+
+
+def test_a_run_that_goes_nonfinite_writes_no_checkpoint_and_keeps_the_last_finite_one(five_step_run, shards,
+                                                                                        tmp_path):
+    """Resumed with an absurd learning rate: the weights after step 6 overflow, the following losses are NaN.
+    No checkpoint is written from then on, so keep_last=1 cannot rotate out step 5, the one to go back to."""
+    run = copy_run(five_step_run, tmp_path / "diverging")
+    proc = train(run, shards, "optim.total_steps=10", "optim.base_lr=1e30", "checkpoint.every_steps=1",
+                 "checkpoint.keep_last=1", "optim.max_nonfinite_steps=2", expect=EXIT_NONFINITE)
+    assert "is not written as a checkpoint" in proc.stderr
+    names = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert names == ["step_00000002", "step_00000004", "step_00000005"]
+    refused = [e for e in read_metrics(run / "metrics.jsonl", "event") if e["event"] == "checkpoint_refused"]
+    # every step from 6 on until the stop (adamwscale learns of a skip a step late, so the stop comes at 8 or 9)
+    assert [e["step"] for e in refused] == list(range(6, 6 + len(refused))) and len(refused) >= 2
+    assert "weights' L2 norm is inf" in refused[0]["reason"]
+    assert all("skipped for a non-finite loss or gradient" in e["reason"] for e in refused[1:])
+
+
+def test_a_dataset_without_a_validation_split_trains_with_evaluation_off(shards, tmp_path):
+    train_only = tmp_path / "train_only"
+    subprocess.run([sys.executable, "-m", "data_prep.shard", "--input", "assets/c4/en/c4-train.*.json.gz",
+                    "--tokenizer", "assets/t5/spiece.model", "--output", str(train_only), "--input-length", "64",
+                    "--rows-per-shard", "1024", "--workers", "1"], cwd=REPO, env=_env(), check=True,
+                   capture_output=True)
+    run = tmp_path / "no_eval"
+    proc = train(run, train_only, "optim.total_steps=3", "eval.every_steps=1")
+    assert sum("has no validation split: evaluation is off" in line for line in proc.stderr.splitlines()) == 1
+    assert "no validation split: no held-out loss" in proc.stdout
+    assert read_metrics(run / "metrics.jsonl", "eval") == []
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"

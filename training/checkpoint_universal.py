@@ -6,9 +6,10 @@ elsewhere as it is).
     deepspeed --num_gpus 2 training/pretrain.py --config ... --deepspeed_config ds_configs/zero3.json \
         output_dir=NEW_RUN_DIR
 
-NEW_RUN_DIR gets `checkpoints/step_N` in universal layout (one fp32 weight + Adam moments file per
-parameter, written by DeepSpeed's ds_to_universal), the per-rank data cursors and RNG states, and a
-meta.json marked `"universal": true`; the trainer sees that mark and loads it with DeepSpeed's
+The source checkpoint's checksums are verified first. NEW_RUN_DIR gets `checkpoints/step_N` in
+universal layout (one fp32 weight + Adam moments file per parameter, written by DeepSpeed's
+ds_to_universal), the per-rank data cursors and RNG states, and a meta.json with the new files'
+checksums, marked `"universal": true`; the trainer sees that mark and loads it with DeepSpeed's
 `checkpoint.load_universal`. The source run is not modified.
 """
 
@@ -34,6 +35,7 @@ from training.checkpoint import (
     rank_state_name,
     write_atomic,
 )
+from training.checkpoint_checksums import blocks, checksum_record, hash_blocks
 from training.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -59,10 +61,10 @@ def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoin
     config and model config."""
     run_dir, new_run_dir = RunDir(run_dir), RunDir(new_run_dir)
     source = CheckpointManager(run_dir, keep_last=1, rank=0, world_size=1, barrier=lambda: None)
-    src = Path(checkpoint) if checkpoint else source.find_resumable()
+    src = Path(checkpoint) if checkpoint else source.find_resumable()  # find_resumable verifies
     if src is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir.checkpoints}")
-    problems = source.problems(src)
+    problems = source.verify(src) if checkpoint else []
     if problems:
         raise RuntimeError(f"cannot convert {src}: {'; '.join(problems)}")
     meta = source.read_meta(src)
@@ -85,7 +87,9 @@ def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoin
     for r in range(int(meta["world_size"])):
         shutil.copy2(src / rank_state_name(r), tmp / rank_state_name(r))
     _make_loadable_by_zero3(tmp)
-    universal_meta = {**meta, "universal": True, "converted_from": str(src.resolve()), "files": checkpoint_files(tmp)}
+    files = checkpoint_files(tmp)
+    universal_meta = {**meta, "universal": True, "converted_from": str(src.resolve()), "files": files,
+                      "checksums": checksum_record(files, hash_blocks(tmp, blocks(files)))}
     write_atomic(tmp / META_NAME, json.dumps(universal_meta, indent=1) + "\n")
     tmp.replace(final)
     write_atomic(dest_root / LATEST_NAME, final.name + "\n")

@@ -30,6 +30,9 @@ from training.distributed import DistInfo, all_reduce_sum
 from training.ds_config import resolve_ds_config
 from training.finetune_config import FinetuneConfig
 from training.metrics import train_line
+from training.nonfinite_watch import checkpoint_refusal
+from training.optim import weight_l2_norm
+from training.resume_policy import plan_resume
 from training.run_setup import (
     begin_run,
     build_model,
@@ -81,7 +84,9 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
                                                    world_size=world_size, device=device)
     step = 0
     if resume_from is not None:
-        step, rank_state = ckpt.load(engine, resume_from)
+        resume = plan_resume(cfg, ckpt, resume_from, run_dir, rank=rank)  # refuses changes that cannot apply
+        with resume.keeping_settings(optimizer, scheduler):
+            step, rank_state = ckpt.load(engine, resume_from)
         restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
     start_step = step
 
@@ -120,8 +125,18 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
                 yield next(stream)
             epoch, start = epoch + 1, 0
 
+    def save_checkpoint() -> None:
+        """A checkpoint of this step, unless its update was skipped or its loss or weights are not finite."""
+        loss = all_reduce_sum([step_loss.item()], device)[0] / world_size
+        refusal = checkpoint_refusal(optimizer.skip_counters(wait=True)[1], loss, weight_l2_norm(optimizer))
+        if refusal:
+            logger.warning("step %d is not written as a checkpoint: %s", step, refusal)
+            return
+        ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+
     # --- the loop -------------------------------------------------------------------------------
     exit_code = 0
+    step_loss = torch.zeros((), device=device)  # the newest step's, read before a checkpoint
     stream = batches_from(step)
     window_loss = torch.zeros((), device=device)
     window_tokens = torch.zeros((), dtype=torch.int64, device=device)
@@ -130,6 +145,7 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
     engine.train()
     while step < total_steps:
         grad_l2 = None
+        step_loss.zero_()
         for micro in range(cfg.optim.grad_acc):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
             out = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -142,6 +158,7 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
             if clip is not None and last_micro:
                 grad_l2 = clip.last_norm()
             window_loss += out.loss.detach().float() / cfg.optim.grad_acc
+            step_loss += out.loss.detach().float() / cfg.optim.grad_acc
             window_tokens += batch["attention_mask"].sum() + (batch["labels"] != -100).sum()
         step += 1
         window_steps += 1
@@ -160,19 +177,19 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
             window_tokens.zero_()
             window_steps, window_start = 0, time.perf_counter()
         if stop.agreed():
-            ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+            save_checkpoint()
             exit_code = EXIT_REQUEUE
             break
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total_steps:
             run_eval()
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total_steps:
-            ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+            save_checkpoint()
 
     if exit_code == 0:
         result = run_eval()
         # a finished run restarted has nothing new to save
         if cfg.checkpoint.at_end and (step != start_step or resume_from is None):
-            ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+            save_checkpoint()
         if rank == 0:
             print(f"SNI test Rouge-L {result['rougeL']:.2f} (exact match {result['exact_match']:.2f}, "
                   f"{result['n_instances']} instances) after {step} steps; predictions and metrics in "

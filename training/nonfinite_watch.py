@@ -5,11 +5,35 @@ under DeepSpeed's fp16/bf16 wrappers, by DeepSpeed before our optimizer runs (`e
 `adamwscale`'s guard is deferred: the outcome of a step is read on the host at the next step, so
 that the step never waits for the GPU, and the watch learns of a skip one step late. Reading with
 `wait=True` (before a checkpoint) settles the last step too.
+
+`checkpoint_refusal` says whether the state after a step may be written as a checkpoint: a
+checkpoint is never written from a step that was skipped, whose loss is not finite, or whose
+weights are not finite, so that the newest checkpoint is always one to resume from.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+
+def checkpoint_refusal(skipped_in_a_row: int, last_step_loss: float, weights_l2: float) -> str | None:
+    """Why the state after the newest step must not be written as a checkpoint, or None when it may be.
+
+    Checked, with values that are the same on every rank: the newest step's update was applied (a
+    non-finite loss or gradient on any rank makes the optimizer, or DeepSpeed, skip it: `skipped_in_a_row`
+    read after `NonfiniteWatch.update(wait=True)`); the step's loss, averaged over the ranks, is finite;
+    the L2 norm of all weights (the train record's weights_l2) is finite: it is not when a weight is
+    NaN or infinite, or beyond ~1e19, where its square overflows float32.
+    """
+    reasons = []
+    if skipped_in_a_row:
+        reasons.append(f"its update was skipped for a non-finite loss or gradient ({skipped_in_a_row} in a row)")
+    if not math.isfinite(last_step_loss):
+        reasons.append(f"its loss is {last_step_loss}")
+    if not math.isfinite(weights_l2):
+        reasons.append(f"the weights' L2 norm is {weights_l2}")
+    return "; ".join(reasons) or None
 
 
 class NonfiniteWatch:

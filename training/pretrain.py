@@ -25,15 +25,16 @@ import torch
 from training.budget import Horizon, TimeBudget
 from training.compile_settings import log_first_step
 from training.config import RunConfig, eval_batch_size_per_rank, micro_batch_size
-from training.data import PretrainBatches, validation_batches
+from training.data import PretrainBatches, has_split, validation_batches
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.ds_config import resolve_ds_config
 from training.evaluation import evaluate_span_corruption
 from training.metrics import train_line
 from training.model.config import T5Config
 from training.model.flops import model_flops_per_step
-from training.nonfinite_watch import NonfiniteWatch
+from training.nonfinite_watch import NonfiniteWatch, checkpoint_refusal
 from training.optim import weight_l2_norm
+from training.resume_policy import plan_resume
 from training.run_setup import (
     begin_run,
     build_model,
@@ -52,9 +53,10 @@ from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
 logger = logging.getLogger("t5ds.pretrain")
 
 
-def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, dist_info: DistInfo) -> tuple[PretrainBatches, list[dict]]:
-    """This rank's training batches (a resumable stream) and validation batches (a fixed list) of the
-    span-corruption objective over the shards in `data.dir`."""
+def span_corruption_data(cfg: RunConfig, model_cfg: T5Config,
+                         dist_info: DistInfo) -> tuple[PretrainBatches, list[dict] | None]:
+    """This rank's training batches (a resumable stream) and validation batches (a fixed list; None when
+    the dataset has no validation split) of the span-corruption objective over the shards in `data.dir`."""
     rank, world_size = dist_info.rank, dist_info.world_size
     objective = {
         "input_length": cfg.data.input_length, "noise_density": cfg.data.noise_density,
@@ -68,6 +70,11 @@ def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, dist_info: DistInf
         # the host until the GPU has finished the previous step, so no kernels could be queued ahead.
         pin_memory=dist_info.device.type == "cuda", **objective,
     )
+    if not has_split(cfg.data.dir, "validation"):
+        if rank == 0:
+            logger.warning("%s has no validation split: evaluation is off for this run (shard one with "
+                           "data_prep.shard --validation-input to evaluate)", cfg.data.dir)
+        return train_batches, None
     val_batches = list(validation_batches(
         cfg.data.dir, rank=rank, world_size=world_size, batch_size=eval_batch_size_per_rank(cfg, world_size),
         max_samples=cfg.eval.max_samples or None, seed=cfg.seed, **objective,
@@ -80,6 +87,7 @@ class LogWindow:
 
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), device=device)  # on the device: adding a step's loss never syncs
+        self.last_step_loss = torch.zeros((), device=device)  # the newest step's (read before a checkpoint)
         self.reset()
 
     def reset(self) -> None:
@@ -94,6 +102,7 @@ def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, cli
     """One optimizer step over `optim.grad_acc` micro-batches; adds its loss to `window`. Returns the
     gradient norm before clipping where the loop has it (None: the engine's, or none)."""
     grad_l2 = None
+    window.last_step_loss.zero_()
     for micro in range(cfg.optim.grad_acc):
         wait_start = time.perf_counter()
         batch = next(batches)
@@ -114,6 +123,7 @@ def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, cli
         if clip is not None and last_micro:
             grad_l2 = clip.last_norm()
         window.loss += out.loss.detach().float() / cfg.optim.grad_acc
+        window.last_step_loss += out.loss.detach().float() / cfg.optim.grad_acc
     return grad_l2
 
 
@@ -134,11 +144,13 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     # --- resume -----------------------------------------------------------------------------
     step, elapsed_before, skipped_before = 0, 0.0, 0
     if resume_from is not None:
-        step, rank_state = ckpt.load(engine, resume_from)
+        resume = plan_resume(cfg, ckpt, resume_from, run_dir, rank=rank)  # refuses changes that cannot apply
+        with resume.keeping_settings(optimizer, scheduler):
+            step, rank_state = ckpt.load(engine, resume_from)
         train_batches.load_state_dict(rank_state["data"])
         restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
         elapsed_before = rank_state.get("elapsed_s", 0.0)
-        horizon.total_steps = rank_state.get("horizon_steps", horizon.total_steps)
+        horizon.total_steps = resume.horizon(rank_state.get("horizon_steps", horizon.total_steps), cfg.optim.total_steps)
         skipped_before = rank_state.get("skipped_steps", 0)
     start_step = step
     budget = TimeBudget(cfg.budget.hours, elapsed_before_s=elapsed_before)
@@ -146,9 +158,12 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     metrics = open_run_outputs(cfg, ds_config, model_cfg, run_dir, rank=rank)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "world_size": world_size,
                           "parameters": sum(p.numel() for p in model.parameters()),
-                          "deterministic": torch.are_deterministic_algorithms_enabled()})
+                          "deterministic": torch.are_deterministic_algorithms_enabled(),
+                          **({"config_changes": resume.changes} if resume_from else {})})
 
-    def run_eval() -> dict:
+    def run_eval() -> dict | None:
+        if val_batches is None:  # no validation split
+            return None
         result = evaluate_span_corruption(engine, val_batches, device)
         metrics.log("eval", {"step": step, **result})
         logger.info("[eval] Step %d | Loss --> %.4f | Accuracy --> %.4f | Tokens --> %d", step,
@@ -157,6 +172,12 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
 
     def save_checkpoint() -> None:
         skips.update(wait=True)  # the last step's outcome belongs in the checkpoint
+        refusal = checkpoint_refusal(skips.in_a_row, all_reduce_sum([window.last_step_loss.item()], device)[0]
+                                     / world_size, weight_l2_norm(optimizer))
+        if refusal:
+            logger.warning("step %d is not written as a checkpoint: %s", step, refusal)
+            metrics.log("event", {"step": step, "event": "checkpoint_refused", "reason": refusal})
+            return
         rank_state = {"data": train_batches.state_dict(), "rng": capture_rng_state(), "world_size": world_size,
                       "elapsed_s": budget.elapsed_s(), "horizon_steps": horizon.total_steps,
                       "skipped_steps": skips.skipped}
@@ -234,7 +255,9 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
         # a finished run restarted has nothing new to save
         if cfg.checkpoint.at_end and (step != start_step or resume_from is None):
             save_checkpoint()
-        if rank == 0:
+        if rank == 0 and result is None:
+            print(f"trained {step} steps (no validation split: no held-out loss); run directory {run_dir}", flush=True)
+        elif rank == 0:
             print(f"held-out loss {result['eval_loss']:.4f} (token accuracy {result['eval_accuracy']:.4f}, "
                   f"{result['eval_tokens']} target tokens) after {step} steps; run directory {run_dir}", flush=True)
     metrics.log("event", {"step": step, "event": "exit", "exit_code": exit_code})

@@ -129,7 +129,8 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
             # ZeRO 3 gathers parameters in module hooks that a whole compiled forward would skip:
             # compile block by block, or only the element-wise parts (training/zero3_compile.py).
             prepare_for_zero3(model, cfg.model.zero3_compile, ds_config)
-    ckpt = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size)
+    ckpt = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size,
+                             run_config=cfg.to_dict())
     resume_from = ckpt.find_resumable()
     if resume_from is not None and ckpt.is_universal(ckpt.read_meta(resume_from)):
         # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.

@@ -8,7 +8,7 @@ from training.data.pretrain_loader import (
     micro_batch_sample_indices,
     validation_batches,
 )
-from training.data.row_store import RowStore, SplitInfo, open_split
+from training.data.row_store import RowStore, SplitInfo, has_split, open_split
 from training.data.span_corruption import SpanCorruption, expand_sentinels, noise_counts
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "SplitInfo",
     "ValidationBatches",
     "expand_sentinels",
+    "has_split",
     "micro_batch_sample_indices",
     "noise_counts",
     "open_split",

@@ -53,6 +53,13 @@ def _suggest_input_length(row_length: int, noise_density: float, mean_noise_span
     return "an input_length whose row length matches"
 
 
+def has_split(data_dir: str | os.PathLike, split: str) -> bool:
+    """Whether the dataset in `data_dir` has `split` with at least one row (data_prep.shard writes a
+    train-only dataset when it is given no validation source)."""
+    info = load_manifest(data_dir).get("splits", {}).get(split)
+    return bool(info) and info.get("rows", 0) > 0
+
+
 def open_split(
     data_dir: str | os.PathLike,
     split: str,
