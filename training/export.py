@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from training.checkpoint import load_run_model
+from training.cli_errors import run_main
 from training.model.hf_compat import save_hf_directory
 from training.run_dir import RunDir
 
@@ -42,4 +43,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

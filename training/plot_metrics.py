@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from training.cli_errors import run_main
 from training.metrics import read_metrics
 from training.run_dir import RunDir
 
@@ -63,4 +64,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))
