@@ -20,10 +20,10 @@ One trainer at a time: rank 0 of a run takes `trainer.lock` (`RunDir.lock_for_tr
 writes anything, and holds it until the process ends; a second trainer on the directory stops at
 once with the holder's host and pid. The lock is a POSIX record lock (fcntl), which the kernel drops
 when its process dies however it dies, so a crashed trainer never blocks the next start (the file
-stays, naming the last holder). POSIX locks rather than flock because shared filesystems honour
-them across nodes more widely (NFS maps both onto its server's byte-range locks; Lustre with
-`-o flock`, GPFS and CephFS lock POSIX records cluster-wide). On a filesystem without locks the run
-goes on with a warning.
+stays, naming the last holder). POSIX locks rather than flock because byte-range locks are what
+network and cluster filesystems lock across clients (NFS's lock protocol, Lustre with `-o flock`,
+CephFS), where flock is at times emulated or kept local to one node. On a filesystem without
+locks the run goes on with a warning.
 """
 
 from __future__ import annotations
