@@ -327,3 +327,22 @@ def test_choices_match_the_model_package():
         T5Config.from_preset(preset)  # every preset the run config accepts exists
     with pytest.raises(ConfigError, match="sdpa"):
         load_run_config(None, ["model.attention_backend=fast"])
+
+
+def test_shipped_configs_and_tokenizer_are_found_from_any_directory(tmp_path, monkeypatch):
+    """Run from outside the repository, the shipped config and the default tokenizer resolve to the
+    repository's files; a path that exists where the command runs keeps its meaning."""
+    from training.config_loader import REPO_ROOT
+    from training.finetune_config import FinetuneConfig
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_run_config("training/configs/tiny_demo.yaml", [])
+    assert cfg.data.tokenizer == str(REPO_ROOT / "assets" / "t5" / "spiece.model")
+    assert cfg.data.dir == "runs/demo/shards"  # the user's data stays relative to where they run
+    assert load_run_config("training/configs/sni_tiny.yaml", [], root=FinetuneConfig).data.tokenizer == \
+        str(REPO_ROOT / "assets" / "t5" / "spiece.model")
+    (tmp_path / "assets" / "t5").mkdir(parents=True)
+    (tmp_path / "assets" / "t5" / "spiece.model").write_bytes(b"the user's own")
+    assert load_run_config("training/configs/tiny_demo.yaml", []).data.tokenizer == "assets/t5/spiece.model"
+    with pytest.raises(ConfigError, match="does not exist; the shipped run configs in .*tiny_demo.yaml"):
+        load_run_config("training/configs/tiny_demo_typo.yaml", [])

@@ -191,3 +191,31 @@ def test_run_configs_name_shipped_ds_configs():
     for run_path in RUN_CONFIGS:
         cfg = load_run_config(str(run_path), [], root=config_class(run_path))
         assert find_ds_config(cfg.ds_config).is_file()
+
+
+@pytest.mark.parametrize("ds, says", [
+    ({"zero_optimisation": {"stage": 2}}, '"zero_optimisation" is not a DeepSpeed 0.19.8 config key (DeepSpeed '
+                                          'ignores it, silently): did you mean "zero_optimization"?'),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, 'did you mean "zero_optimization.overlap_comm"?'),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"devce": "cpu"}}},
+     'did you mean "zero_optimization.offload_optimizer.device"?'),
+    ({"bf16": {"enabeld": True}}, 'did you mean "bf16.enabled"?'),
+    ({"gradient_clippping": 1.0}, 'did you mean "gradient_clipping"?'),
+    ({"amp": {"enabled": True}}, "Apex AMP integration has been removed"),  # DeepSpeed's own message
+])
+def test_unknown_deepspeed_keys_are_errors_with_the_closest_known_key(ds, says):
+    with pytest.raises(DSConfigError) as error:
+        resolve_ds_config({"train_batch_size": "auto", **ds}, _cfg(), 1, device_type="cpu")
+    assert says in str(error.value)
+
+
+def test_known_keys_come_from_deepspeed_itself():
+    """What DeepSpeed reads when it parses a config: every key of every shipped json is among them."""
+    from training.ds_config import deepspeed_config_keys
+
+    known = deepspeed_config_keys()
+    assert {"train_batch_size", "zero_optimization", "torch_autocast", "timers", "checkpoint"} <= set(known)
+    assert {"stage", "overlap_comm", "offload_optimizer"} <= set(known["zero_optimization"])
+    assert "device" in known["zero_optimization"]["offload_optimizer"]
+    for path in DS_CONFIGS:
+        resolve_ds_config(path, _cfg(), 1, device_type="cpu")  # no shipped key is refused

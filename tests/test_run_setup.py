@@ -217,3 +217,29 @@ def test_zero_stage_advice_leaves_one_gpu_offload_alone():
     ds = load_ds_config("ds_configs/zero2.json")
     ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     assert zero_stage_advice(ds, 1) is None
+
+
+@pytest.mark.parametrize("saved, now, refused", [
+    ((0, 2, False), (0, 1), None),  # ZeRO 0 resumes on any world size
+    ((2, 2, False), (1, 2), None),  # ZeRO 1 and 2 share their layout
+    ((2, 2, True), (3, 1), None),  # a universal checkpoint loads anywhere
+    ((2, 2, False), (0, 2), "written by ZeRO 2 on 2 ranks, and this run has ZeRO 0 on 2 ranks"),
+    ((0, 1, False), (3, 1), "cannot load its state under another stage"),
+    ((1, 4, False), (1, 2), "cannot load its optimizer partitions"),
+])
+def test_a_checkpoint_of_another_zero_layout_is_refused_with_the_conversion(tmp_path, saved, now, refused):
+    from training.cli_errors import ExpectedError, ReportedByAnotherRank
+    from training.run_setup import check_resumable_layout
+
+    stage, world, universal = saved
+    meta = {"zero_stage": stage, "world_size": world, "universal": universal}
+    checkpoint = tmp_path / "checkpoints" / "step_00000005"
+    if refused is None:
+        check_resumable_layout(meta, checkpoint, RunDir(tmp_path), *now, rank=0)
+        return
+    with pytest.raises(ExpectedError) as error:
+        check_resumable_layout(meta, checkpoint, RunDir(tmp_path), *now, rank=0)
+    assert refused in str(error.value) and f"python -m training.checkpoint_universal {tmp_path} NEW_RUN_DIR" in \
+        str(error.value) and not isinstance(error.value, ReportedByAnotherRank)
+    with pytest.raises(ReportedByAnotherRank):  # the other ranks stop without a second line
+        check_resumable_layout(meta, checkpoint, RunDir(tmp_path), *now, rank=1)

@@ -155,7 +155,7 @@ def _real_trainer(tmp: Path) -> Trainer:
         signal_after_step=4,
         preempt_overrides=[],
         fail_overrides=["data.dir=/nonexistent/shards"],
-        fail_exit_code=1,
+        fail_exit_code=2,  # an error the user can fix: one `error:` line, exit code 2
         timeout_s=400,
     )
 

@@ -57,6 +57,7 @@ from training.checkpoint_checksums import (
     verify_checkpoint,
 )
 from training.checkpoint_space import gigabytes, ran_out_of_space, state_bytes
+from training.cli_errors import ExpectedError
 from training.model import T5ForConditionalGeneration
 from training.run_dir import RunDir, step_dirname
 
@@ -69,7 +70,7 @@ DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ExpectedError, RuntimeError):
     """A checkpoint cannot be written or loaded; the message names the file and says what to do."""
 
 

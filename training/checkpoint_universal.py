@@ -1,4 +1,4 @@
-"""Convert a run's checkpoint to DeepSpeed's universal format, to resume it with another ZeRO stage or
+r"""Convert a run's checkpoint to DeepSpeed's universal format, to resume it with another ZeRO stage or
 another number of GPUs (ZeRO 1-3 optimizer state is partitioned by world size and cannot be loaded
 elsewhere as it is).
 
@@ -36,6 +36,7 @@ from training.checkpoint import (
     write_atomic,
 )
 from training.checkpoint_checksums import blocks, checksum_record, hash_blocks
+from training.cli_errors import expected_errors, run_main
 from training.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -105,14 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest complete)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
+    # A checkpoint that cannot be converted (missing, damaged, already universal) is the user's to fix.
+    with expected_errors("", ValueError, RuntimeError):
         final = convert_to_universal(args.run_dir, args.new_run_dir, args.checkpoint)
-    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     print(f"universal checkpoint: {final}; resume with output_dir={args.new_run_dir} on any ZeRO stage / GPU count")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

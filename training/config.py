@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from training.cli_errors import ExpectedError
+
 # Mirrors of training.model.config's choices (kept in sync by tests/test_config.py), so that a typo
 # fails at config load, before any process group or model is built.
 MODEL_PRESETS = ("tiny", "small", "base", "large", "xl", "xxl")
@@ -33,8 +35,9 @@ LR_SCHEDULERS = ("cosine", "legacy", "constant", "linear")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
-class ConfigError(ValueError):
-    """A config value or key is invalid; the message says how to fix it."""
+class ConfigError(ExpectedError, ValueError):
+    """A config value or key is invalid; the message says how to fix it (an error line and exit code
+    2 at every entry point, training/cli_errors.py)."""
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

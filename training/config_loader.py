@@ -11,6 +11,10 @@ value is parsed by the field's type: ints, floats (`2e-2`), bools (`true/false`)
 `null`/`none` for optional fields, comma-separated tuples (`optim.betas=0.9,0.999`). Unknown keys
 and ill-typed values are errors that list what is valid.
 
+Shipped files are found from any working directory: a config path or `data.tokenizer` that does
+not exist relative to the working directory but does relative to the repository (the configs in
+training/configs/, assets/t5/spiece.model) is taken from the repository, as an absolute path.
+
 `python -m training.config_loader CONFIG.yaml [key=value ...]` prints the resolved config.
 """
 
@@ -25,7 +29,22 @@ from typing import Any
 
 import yaml
 
+from training.cli_errors import run_main
 from training.config import ConfigError, RunConfig, section_types
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Config fields naming a file the repository ships a default of (section, field).
+SHIPPED_FILE_FIELDS = (("data", "tokenizer"),)
+
+
+def shipped_path(path: str | Path) -> Path:
+    """`path` as given when it exists (absolute, or relative to the working directory); else, for a
+    relative path that exists inside the repository (a shipped config or asset), that file,
+    absolute; else `path` unchanged (the caller reports it missing)."""
+    p = Path(path)
+    if p.exists() or p.is_absolute() or not (REPO_ROOT / p).exists():
+        return p
+    return REPO_ROOT / p
 
 # ------------------------------------------------------------------------------------------------
 # Typed parsing: YAML values and command-line strings
@@ -177,7 +196,9 @@ def _read_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError(f"`extends` cycle: {chain}")
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        shipped = ", ".join(sorted(p.name for p in (REPO_ROOT / "training" / "configs").glob("*.yaml")))
+        raise ConfigError(f"config file {path} does not exist; the shipped run configs in "
+                          f"{REPO_ROOT / 'training' / 'configs'}: {shipped}")
     with open(path) as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
@@ -244,9 +265,13 @@ def load_run_config(
     Validation runs on the merged result, so an override can repair a value that is only invalid
     in combination (e.g. raise total_steps and warmup_steps together).
     """
-    data = _read_yaml_tree(Path(yaml_path)) if yaml_path is not None else {}
+    data = _read_yaml_tree(shipped_path(yaml_path)) if yaml_path is not None else {}
     for item in overrides or []:
         _apply_override_to_dict(data, item, root)
+    for section, key in SHIPPED_FILE_FIELDS:
+        value = (data.get(section) or {}).get(key)
+        if isinstance(value, str) and value:
+            data[section][key] = str(shipped_path(value))
     try:
         return from_dict(data, root)
     except ConfigError as e:
@@ -266,20 +291,16 @@ def dump_yaml(cfg: Any, path: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the resolved run config of CONFIG.yaml with overrides; 2 and the reason on a bad config."""
+    """Print the resolved run config of CONFIG.yaml with overrides (a bad config raises ConfigError)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m training.config_loader CONFIG.yaml [section.key=value ...]")
         return 0
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
-    try:
-        cfg = load_run_config(path, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_run_config(path, overrides)
     yaml.safe_dump(cfg.to_dict(), sys.stdout, sort_keys=False, default_flow_style=False)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

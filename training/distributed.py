@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from training.cli_errors import ExpectedError
+
 logger = logging.getLogger(__name__)
 # A CPU (gloo) process group for control flags, created in init_distributed.
 _control_group = None
@@ -50,14 +52,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_in_use_message(addr: str, port: str) -> str:
+    """What to do when the rendezvous port (MASTER_PORT) is taken, e.g. by another job on the node."""
+    return (f"the rendezvous port {addr}:{port} (MASTER_PORT) is in use by another process, e.g. another "
+            f"job on this machine: pick a free one with `deepspeed --master_port N ...` (or `torchrun "
+            f"--master_port N`, or MASTER_PORT=N for one process; the SLURM scripts take T5DS_MASTER_PORT=N), "
+            f"or start through `python -m training.launch`, which picks a free port itself")
+
+
 def resolve_device(requested: str, local_rank: int) -> torch.device:
     """`auto` takes the local GPU when CUDA is present, else the CPU."""
     if requested not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"device must be auto, cuda or cpu, got {requested!r}")
+        raise ExpectedError(f"device must be auto, cuda or cpu, got {requested!r}")
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("device=cuda but torch sees no CUDA GPU; use device=auto or device=cpu")
+        raise ExpectedError("device=cuda but torch sees no CUDA GPU; use device=auto or device=cpu")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -92,9 +102,10 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         if world_size > 1:
-            raise RuntimeError("MASTER_PORT is not set for a multi-process run: launch with `deepspeed`, "
-                               "`torchrun`, or set MASTER_ADDR/MASTER_PORT (the SLURM scripts do).")
-        os.environ["MASTER_PORT"] = str(_free_port())
+            raise ExpectedError("MASTER_PORT is not set for a multi-process run: launch with `python -m "
+                                "training.launch`, `deepspeed` or `torchrun`, or set MASTER_ADDR and MASTER_PORT "
+                                "(the SLURM scripts do)")
+        os.environ["MASTER_PORT"] = str(_free_port())  # one process: any free port will do
     device = resolve_device(requested_device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
@@ -106,7 +117,12 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
 
         if backend == "gloo":
             disable_deepspeed_shm_comm()
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        try:
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        except dist.DistNetworkError as exc:
+            if "EADDRINUSE" not in str(exc):
+                raise
+            raise ExpectedError(port_in_use_message(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])) from exc
     global _control_group
     if dist.get_world_size() > 1 and _control_group is None:
         # Every rank must create a group at the same point: do it here, once.

@@ -14,13 +14,21 @@ accumulation, clipping, precision). `resolve_ds_config` joins them:
   (CPU runs in fp32), with a log line.
 - `optimizer` / `scheduler` sections are rejected: the training loop builds its own optimizer and
   schedule from `optim.*` (use optim.name, optim.lr_scheduler).
+- Keys the installed DeepSpeed does not know are rejected with the closest known one ("did you mean
+  zero_optimization?"): DeepSpeed itself ignores an unknown top-level key (a misspelled
+  `zero_optimization` trains at ZeRO 0) and rejects one inside `zero_optimization`, `bf16` or `fp16`
+  with a long validation error. The known keys are read from DeepSpeed itself
+  (`deepspeed_config_keys`).
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
 import json
 import logging
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +67,97 @@ def load_ds_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DSConfigError(f"{p}: a DeepSpeed config must be a JSON object")
     return data
+
+
+# Top-level keys DeepSpeed reads outside DeepSpeedConfig._initialize_params (deepspeed.initialize and
+# DeepSpeedConfig's other methods).
+_KEYS_READ_ELSEWHERE = ("sequence_parallel_size", "data_parallel_size", "vocabulary_size")
+
+
+class _RecordingDict(dict):
+    """A dict that remembers which keys were looked up in it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def keys(self):  # `key in d.keys()` is how DeepSpeed tests for some sections
+        recording = self
+
+        class _Keys(typing.KeysView):
+            def __contains__(self, key) -> bool:
+                return recording.__contains__(key)
+
+        return _Keys(self)
+
+
+def _model_keys(model: type) -> dict[str, dict]:
+    """A pydantic config model's keys (field names and aliases) -> the keys of a nested model ({}: none)."""
+    import pydantic
+
+    keys = {}
+    for name, field in model.model_fields.items():
+        nested = {}
+        for candidate in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(candidate, type) and issubclass(candidate, pydantic.BaseModel):
+                nested = _model_keys(candidate)
+        for key in {name, field.alias} - {None}:
+            keys[key] = nested
+    return keys
+
+
+@functools.cache
+def deepspeed_config_keys() -> dict[str, dict]:
+    """The keys the installed DeepSpeed accepts: top-level key -> {} or, for the sections DeepSpeed
+    validates as a schema (zero_optimization, bf16, fp16), their keys (nested alike). The top level is
+    what DeepSpeedConfig reads from a config, recorded as it parses an empty one."""
+    # DeepSpeed imports take seconds; a run has imported them by the time it resolves its config.
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    recorder = _RecordingDict()
+    DeepSpeedConfig.__new__(DeepSpeedConfig)._initialize_params(recorder)
+    keys: dict[str, dict] = {key: {} for key in (*recorder.read, *_KEYS_READ_ELSEWHERE)}
+    keys["zero_optimization"] = _model_keys(DeepSpeedZeroConfig)
+    keys["bf16"] = keys["bfloat16"] = _model_keys(DeepSpeedBF16Config)
+    keys["fp16"] = _model_keys(DeepSpeedFP16Config)
+    return keys
+
+
+def check_known_keys(ds: dict[str, Any], source: str, known: dict[str, dict] | None = None, where: str = "") -> None:
+    """DSConfigError naming the first key of `ds` that DeepSpeed does not know, with the closest known one."""
+    known = deepspeed_config_keys() if known is None else known
+    for key, value in ds.items():
+        if key not in known:
+            import deepspeed
+            from deepspeed.runtime import config as deepspeed_config
+
+            removed_keys = {"": "_REMOVED_TOP_LEVEL_CONFIG_KEYS", "zero_optimization.": "_REMOVED_ZERO_CONFIG_KEYS"}
+            removed = getattr(deepspeed_config, removed_keys.get(where, "-"), None) or {}
+            if key in removed:  # DeepSpeed's own message says what replaced it
+                raise DSConfigError(f'{source}: "{where}{key}": {removed[key]}')
+
+            close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+            fix = f'did you mean "{where}{close[0]}"?' if close else (
+                f"known keys{' in ' + where.rstrip('.') if where else ''}: {', '.join(sorted(known))}")
+            effect = "ignores it, silently" if not where else "rejects it"
+            raise DSConfigError(f'{source}: "{where}{key}" is not a DeepSpeed {deepspeed.__version__} config key '
+                                f"(DeepSpeed {effect}): {fix}")
+        if known[key] and isinstance(value, dict):
+            check_known_keys(value, source, known[key], f"{where}{key}.")
 
 
 def zero_stage(ds: dict[str, Any]) -> int:
@@ -182,6 +281,7 @@ def resolve_ds_config(
     else:
         source = "DeepSpeed config"
     ds = copy.deepcopy(ds)
+    check_known_keys(ds, source)
 
     for key, fix in (
         ("optimizer", "optim.name and optim.*"),

@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint on Super-Natural-Instructions (Tk-Instruct protocol: greedy, Rouge-L).
+r"""Evaluate a checkpoint on Super-Natural-Instructions (Tk-Instruct protocol: greedy, Rouge-L).
 
     python -m training.evaluate_sni CHECKPOINT --data /work/shared/data/sni --out DIR \
         [--max-instances-per-task N] [--batch-size B] [--tasks task1159_... task641_...]
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from training.checkpoint import load_run_model
+from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors, run_main
 from training.distributed import shutdown_distributed
 from training.model.hf_compat import load_pretrained
 from training.run_dir import RunDir
@@ -117,21 +118,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return evaluate(args)
+    except ExpectedError as exc:
+        # Every rank meets the same error (same arguments, same files): rank 0 reports it.
+        if int(os.environ.get("RANK", "0")) != 0:
+            raise ReportedByAnotherRank(str(exc)) from exc
+        raise
+
+
+def evaluate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if (out / "metrics.json").exists():
-        print(f"{out}/metrics.json exists: choose another --out (nothing was overwritten)", file=sys.stderr)
-        return 2
+        raise ExpectedError(f"{out}/metrics.json exists: choose another --out (nothing was overwritten)")
     rank, world_size, device = _dist_setup()
     tokenizer = SNITokenizer(args.spiece)
-    eval_set = build_eval_set(
-        args.data,
-        tokenizer,
-        tasks=args.tasks,
-        max_instances_per_task=args.max_instances_per_task,
-        seed=args.seed,
-        template=TemplateConfig(max_source_length=args.max_source_length),
-    )
-    model = load_model_for_eval(args.checkpoint, args.preset, device, DTYPES[args.dtype])
+    with expected_errors(f"--data {args.data}", ValueError, FileNotFoundError):
+        eval_set = build_eval_set(
+            args.data,
+            tokenizer,
+            tasks=args.tasks,
+            max_instances_per_task=args.max_instances_per_task,
+            seed=args.seed,
+            template=TemplateConfig(max_source_length=args.max_source_length),
+        )
+    with expected_errors(f"checkpoint {args.checkpoint}", ValueError):
+        model = load_model_for_eval(args.checkpoint, args.preset, device, DTYPES[args.dtype])
     metrics = evaluate_sni(
         model,
         eval_set,
@@ -157,4 +169,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

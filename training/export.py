@@ -16,6 +16,8 @@ import logging
 import sys
 from pathlib import Path
 
+from training.cli_errors import run_main
+
 
 def _shard_size(text: str) -> int | str:
     """A byte count ("2000000000") or a size with a unit ("5GB", "500MB"), as save_pretrained takes."""
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         what = "is not empty" if out.is_dir() else "is a file"
-        print(f"{out} exists and {what}: choose a new directory (nothing was written)", file=sys.stderr)
+        print(f"error: {out} exists and {what}: choose a new directory (nothing was written)", file=sys.stderr)
         return 2
     # Here, not at the top: --help and argument errors do not wait for torch and the model.
     from training.checkpoint import load_run_model
@@ -71,4 +73,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

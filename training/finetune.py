@@ -1,5 +1,6 @@
-"""Fine-tune T5 on Super-Natural-Instructions and evaluate Rouge-L (the Tk-Instruct protocol).
+r"""Fine-tune T5 on Super-Natural-Instructions and evaluate Rouge-L (the Tk-Instruct protocol).
 
+    python -m training.launch --num_gpus 8 training/finetune.py --config training/configs/sni.yaml init=runs/base
     deepspeed training/finetune.py --config training/configs/sni.yaml \
         --deepspeed_config ds_configs/zero2.json [init=runs/base] [key=value ...]
 
@@ -17,6 +18,18 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from training.cli_errors import run_main
+from training.finetune_config import FinetuneConfig
+from training.stop_signals import stop_request
+from training.trainer_args import FINETUNE_CONFIG, preflight
+
+if __name__ == "__main__":
+    # Before the imports below (torch, DeepSpeed, the model: seconds): --help, a bad option and a bad
+    # run config are answered at once, and a stop signal that arrives meanwhile waits for the first
+    # step boundary.
+    preflight(sys.argv[1:], doc=__doc__, default_config=FINETUNE_CONFIG, root=FinetuneConfig)
+    stop_request()
+
 import contextlib
 import logging
 import time
@@ -24,6 +37,7 @@ import time
 import torch
 
 from training.budget import Horizon
+from training.cli_errors import ExpectedError, expected_errors
 from training.compile_settings import log_first_step
 from training.config import micro_batch_size
 from training.distributed import DistInfo, all_reduce_sum
@@ -41,6 +55,7 @@ from training.run_setup import (
     launch,
     open_run_outputs,
     restore_rng_state,
+    setup_complete,
     start_engine,
 )
 from training.sni.encoding import SNITokenizer, TemplateConfig, encode_tasks, num_train_batches, train_batches
@@ -55,31 +70,34 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
     """Run (or resume) SNI fine-tuning with a final Rouge-L evaluation; returns the process exit code."""
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
     stop, run_dir = begin_run(cfg, rank=rank)  # first: signal handler, run directory, seed
+    ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
 
     # --- data: every rank encodes the same instances (a few seconds), then takes its batches ----
-    tokenizer = SNITokenizer(cfg.data.tokenizer)
-    template = TemplateConfig(num_pos_examples=cfg.data.num_pos_examples, max_source_length=cfg.data.max_source_length,
-                              max_target_length=cfg.data.max_target_length)
-    tasks = load_sni(cfg.data.dir, "train", max_instances_per_task=cfg.data.max_instances_per_task, seed=cfg.seed)
-    tasks = tasks[: cfg.data.max_train_tasks] if cfg.data.max_train_tasks else tasks
-    examples = encode_tasks(tasks, tokenizer, template)
-    test_tasks = None
-    if cfg.eval.max_tasks:
-        test_tasks = [t.name for t in load_sni(cfg.data.dir, "test", max_instances_per_task=1)][: cfg.eval.max_tasks]
-    eval_set = build_eval_set(cfg.data.dir, tokenizer, tasks=test_tasks,
-                              max_instances_per_task=cfg.eval.max_instances_per_task, seed=cfg.seed, template=template)
+    with expected_errors("data", ValueError, FileNotFoundError):  # the SNI files or the tokenizer do not fit
+        tokenizer = SNITokenizer(cfg.data.tokenizer)
+        template = TemplateConfig(num_pos_examples=cfg.data.num_pos_examples,
+                                  max_source_length=cfg.data.max_source_length,
+                                  max_target_length=cfg.data.max_target_length)
+        tasks = load_sni(cfg.data.dir, "train", max_instances_per_task=cfg.data.max_instances_per_task, seed=cfg.seed)
+        tasks = tasks[: cfg.data.max_train_tasks] if cfg.data.max_train_tasks else tasks
+        examples = encode_tasks(tasks, tokenizer, template)
+        test_tasks = None
+        if cfg.eval.max_tasks:
+            test_tasks = [t.name for t in load_sni(cfg.data.dir, "test", max_instances_per_task=1)][: cfg.eval.max_tasks]
+        eval_set = build_eval_set(cfg.data.dir, tokenizer, tasks=test_tasks, seed=cfg.seed, template=template,
+                                  max_instances_per_task=cfg.eval.max_instances_per_task)
     micro_bs = micro_batch_size(cfg, world_size)
     steps_per_epoch = num_train_batches(len(examples), micro_bs, world_size) // cfg.optim.grad_acc
     if steps_per_epoch < 1:
-        raise ValueError(f"{len(examples)} training instances make no full step of batch {cfg.optim.batch_size}: "
-                         "lower optim.batch_size or use more tasks")
+        raise ExpectedError(f"{len(examples)} training instances make no full step of batch {cfg.optim.batch_size}: "
+                            "lower optim.batch_size or use more tasks")
     total_steps = min(cfg.optim.total_steps, steps_per_epoch * cfg.data.epochs)
 
     # --- model, optimizer, engine, resume -------------------------------------------------------
     model, model_cfg = build_model(cfg.model, device, init=cfg.init)
     horizon = Horizon(total_steps=total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
-    ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
+    setup_complete(dist_info)  # every rank is set up, or every rank stops here and one prints the error
     engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, run_dir, rank=rank,
                                                    world_size=world_size, device=device)
     step = 0
@@ -201,8 +219,8 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
 
 
 def main(argv: list[str] | None = None) -> int:
-    return launch(finetune, argv, doc=__doc__, default_config="training/configs/sni.yaml", root=FinetuneConfig)
+    return launch(finetune, argv, doc=__doc__, default_config=FINETUNE_CONFIG, root=FinetuneConfig)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

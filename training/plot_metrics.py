@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.cli_errors import run_main
 from training.metrics import read_metrics
 from training.run_dir import RunDir
 
@@ -191,4 +192,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -1,5 +1,6 @@
-"""Pre-train T5 v1.1 with T5 span corruption on DeepSpeed.
+r"""Pre-train T5 v1.1 with T5 span corruption on DeepSpeed.
 
+    python -m training.launch --num_gpus 8 training/pretrain.py --config training/configs/t5_base_c4.yaml
     deepspeed training/pretrain.py --config training/configs/t5_base_c4.yaml \
         --deepspeed_config ds_configs/zero2.json [key=value ...]
     python training/pretrain.py --config training/configs/tiny_demo.yaml      # one process
@@ -17,12 +18,25 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (`deepspeed training/pretrain.py`): import the repo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from training.cli_errors import run_main
+from training.config import RunConfig
+from training.stop_signals import stop_request
+from training.trainer_args import PRETRAIN_CONFIG, preflight
+
+if __name__ == "__main__":
+    # Before the imports below (torch, DeepSpeed, the model: seconds): --help, a bad option and a bad
+    # run config are answered at once, and a stop signal that arrives meanwhile waits for the first
+    # step boundary.
+    preflight(sys.argv[1:], doc=__doc__, default_config=PRETRAIN_CONFIG, root=RunConfig)
+    stop_request()
+
 import logging
 import time
 
 import torch
 
 from training.budget import Horizon, TimeBudget
+from training.cli_errors import expected_errors
 from training.compile_settings import log_first_step
 from training.config import RunConfig, eval_batch_size_per_rank, micro_batch_size
 from training.data import PretrainBatches, has_split, validation_batches
@@ -45,6 +59,7 @@ from training.run_setup import (
     open_run_outputs,
     replicated_grad_l2,
     restore_rng_state,
+    setup_complete,
     start_engine,
     tokenizer_hash,
 )
@@ -53,6 +68,7 @@ from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
 logger = logging.getLogger("t5ds.pretrain")
 
 
+@expected_errors("data.dir", ValueError, FileNotFoundError)  # the shards do not fit the run config
 def span_corruption_data(cfg: RunConfig, model_cfg: T5Config,
                          dist_info: DistInfo) -> tuple[PretrainBatches, list[dict] | None]:
     """This rank's training batches (a resumable stream) and validation batches (a fixed list; None when
@@ -133,11 +149,12 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     stop, run_dir = begin_run(cfg, rank=rank)  # first: signal handler, run directory, seed
 
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
-    model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
+    model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)
     train_batches, val_batches = span_corruption_data(cfg, model_cfg, dist_info)
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
+    setup_complete(dist_info)  # every rank is set up, or every rank stops here and one prints the error
     engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, run_dir, rank=rank,
                                                    world_size=world_size, device=device)
 
@@ -267,8 +284,8 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    return launch(train, argv, doc=__doc__, default_config="training/configs/t5_base_c4.yaml", root=RunConfig)
+    return launch(train, argv, doc=__doc__, default_config=PRETRAIN_CONFIG, root=RunConfig)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

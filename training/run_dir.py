@@ -9,28 +9,46 @@
         sni_eval/           fine-tuning only: step_NNNNNNNN/ with each SNI evaluation's predictions
                             and metrics (training/sni/evaluate.py)
         wandb/              Weights & Biases' offline files, when logging.wandb is not disabled
+        trainer.lock        held (a POSIX lock) by the trainer using the directory; host and pid inside
 
 `RunDir` is the one place that names these files: pretrain.py and finetune.py write a run through
 it, and export.py, checkpoint.py, checkpoint_universal.py, evaluate_sni.py, metrics.py and
 plot_metrics.py find what they read through it. A run resumes by being started again on the same
 directory.
+
+One trainer at a time: rank 0 of a run takes `trainer.lock` (`RunDir.lock_for_training`) before it
+writes anything, and holds it until the process ends; a second trainer on the directory stops at
+once with the holder's host and pid. The lock is a POSIX record lock (fcntl), which the kernel drops
+when its process dies however it dies, so a crashed trainer never blocks the next start (the file
+stays, naming the last holder). POSIX locks rather than flock because byte-range locks are what
+network and cluster filesystems lock across clients (NFS's lock protocol, Lustre with `-o flock`,
+CephFS), where flock is at times emulated or kept local to one node. On a filesystem without
+locks the run goes on with a warning.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import os
 import shutil
+import socket
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from training.cli_errors import ExpectedError
 from training.config_loader import dump_yaml
 
 if TYPE_CHECKING:
     from training.model.config import T5Config
+
+logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.yaml"
 DS_CONFIG_NAME = "ds_config.json"
@@ -38,6 +56,9 @@ MODEL_CONFIG_NAME = "model_config.json"
 METRICS_NAME = "metrics.jsonl"
 CHECKPOINTS_DIRNAME = "checkpoints"
 SNI_EVAL_DIRNAME = "sni_eval"
+LOCK_NAME = "trainer.lock"
+# errno values of a filesystem that does not do POSIX locks
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 # What a run directory holds that another run of the same model needs (the universal-checkpoint
 # conversion copies them into the new run directory).
@@ -58,6 +79,7 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self._lock_fd: int | None = None
 
     def __fspath__(self) -> str:
         return os.fspath(self.path)
@@ -95,6 +117,10 @@ class RunDir:
         return self.path / METRICS_NAME
 
     @property
+    def lock_file(self) -> Path:
+        return self.path / LOCK_NAME
+
+    @property
     def checkpoints(self) -> Path:
         """The directory holding the run's checkpoints (training/checkpoint.py's layout inside it)."""
         return self.path / CHECKPOINTS_DIRNAME
@@ -114,6 +140,37 @@ class RunDir:
 
     def create(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
+
+    def lock_for_training(self) -> None:
+        """Create the directory and take its trainer lock for the life of this process (or until
+        `unlock`); RunDirInUse when another process holds it. Nothing else is written."""
+        if self._lock_fd is not None:
+            return
+        self.create()
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                raise RunDirInUse(self.path, holder) from None
+            if exc.errno in _NO_LOCKS:
+                logger.warning("the filesystem of %s does not support file locks (%s): nothing stops a second "
+                               "trainer on this directory", self.path, os.strerror(exc.errno))
+                return
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                   "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        """Release the trainer lock (the file stays, naming the last holder)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the process's POSIX lock
+            self._lock_fd = None
 
     def write_config(self, cfg: Any) -> None:
         """The resolved run config (a RunConfig or FinetuneConfig), as YAML that load_run_config reads."""
@@ -154,6 +211,32 @@ class RunDir:
             raise FileNotFoundError(f"{self.model_config_file} not found: {self.path} is not a run directory "
                                     "written by training/pretrain.py or training/finetune.py")
         return T5Config(**json.loads(self.model_config_file.read_text()))
+
+
+class RunDirInUse(ExpectedError):
+    """Another trainer holds the run directory's lock."""
+
+    def __init__(self, path: Path, holder: dict[str, Any]) -> None:
+        host, pid = holder.get("host", "an unknown host"), holder.get("pid", "unknown")
+        since = f", since {holder['since']}" if holder.get("since") else ""
+        super().__init__(
+            f"{path} is in use by another trainer (host {host}, pid {pid}{since}): wait for it to end, stop it "
+            f"(kill -TERM {pid} on {host} checkpoints and exits), or set output_dir to another directory")
+        self.holder = holder
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    """Host, pid and start of the lock's holder (it writes them right after taking the lock: a start
+    in that instant waits for them up to a second)."""
+    for _ in range(20):
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (OSError, ValueError):
+            holder = {}
+        if isinstance(holder, dict) and holder:
+            return holder
+        time.sleep(0.05)
+    return {}
 
 
 def _write_text(path: Path, text: str) -> None:

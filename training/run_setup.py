@@ -7,7 +7,6 @@ measured matmul ceiling (for MFU).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import random
 from dataclasses import replace
@@ -20,10 +19,10 @@ import torch.distributed as dist
 from data_prep.tokenizer import tokenizer_sha256
 from training.budget import Horizon
 from training.checkpoint import CheckpointManager, load_run_model
+from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors
 from training.compile_settings import compile_forward
-from training.config_loader import load_run_config
 from training.determinism import set_deterministic
-from training.distributed import init_distributed, shutdown_distributed
+from training.distributed import control_group, init_distributed, shutdown_distributed
 from training.ds_config import zero_stage
 from training.grad_clip import loop_clip
 from training.metrics import MetricsLogger, setup_logging
@@ -32,7 +31,8 @@ from training.model.flops import measure_matmul_tflops
 from training.model.hf_compat import load_pretrained
 from training.optim import bind_zero_layout, build_optimizer, global_grad_norm, lr_at
 from training.run_dir import RunDir
-from training.stop_signals import StopRequest
+from training.stop_signals import stop_request
+from training.trainer_args import load_trainer_config, parse_trainer_args
 from training.zero3_compile import prepare_for_zero3
 
 logger = logging.getLogger(__name__)
@@ -74,11 +74,12 @@ def build_model(model_section, device: torch.device, init: str | None = None):
         model.load_state_dict(trained.state_dict())
         logger.info("initialised from our run %s (%s)", init, checkpoint.name)
     elif Path(init).exists():
-        model = load_pretrained(init, preset=model_section.preset, **overrides)
+        with expected_errors(f"init={init}", ValueError):  # not a T5 state dict of this preset
+            model = load_pretrained(init, preset=model_section.preset, **overrides)
         logger.info("initialised from %s", init)
     else:
-        raise FileNotFoundError(f"init={init!r} is neither `random` nor an existing run directory, Hugging Face "
-                                "directory or state-dict file")
+        raise ExpectedError(f"init={init!r} is neither `random` nor an existing run directory, Hugging Face "
+                            "directory or state-dict file")
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model %s: %.1fM parameters", init or model_section.preset, n_params / 1e6)
     return model.to(device), model.config
@@ -132,6 +133,8 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     ckpt = CheckpointManager(run_dir, keep_last=cfg.checkpoint.keep_last, rank=rank, world_size=world_size,
                              run_config=cfg.to_dict())
     resume_from = ckpt.find_resumable()
+    if resume_from is not None:
+        check_resumable_layout(ckpt.read_meta(resume_from), resume_from, run_dir, stage, world_size, rank=rank)
     if resume_from is not None and ckpt.is_universal(ckpt.read_meta(resume_from)):
         # Written by training/checkpoint_universal.py: any ZeRO stage and world size can load it.
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
@@ -150,6 +153,27 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     if advice is not None:
         logger.log(*advice)
     return engine, ckpt, resume_from, clip
+
+
+def check_resumable_layout(meta: dict, checkpoint: Path, run_dir: RunDir, stage: int, world_size: int, *,
+                           rank: int) -> None:
+    """Refuse, before DeepSpeed tries, a checkpoint whose partitioned state this engine cannot load:
+    one written under another ZeRO stage (ZeRO 1 and 2 share their layout), or a ZeRO >= 1 checkpoint
+    of another world size; a universal checkpoint loads anywhere. Every rank sees the same checkpoint,
+    so rank 0 reports and the others stop with it."""
+    saved_stage, saved_world = int(meta.get("zero_stage", 0)), int(meta.get("world_size", world_size))
+    if meta.get("universal"):
+        return
+    same_layout = saved_stage == stage or {saved_stage, stage} == {1, 2}
+    if same_layout and (saved_world == world_size or stage == 0):
+        return
+    written = f"ZeRO {saved_stage} on {saved_world} rank{'s' if saved_world > 1 else ''}"
+    now = f"ZeRO {stage} on {world_size} rank{'s' if world_size > 1 else ''}"
+    message = (f"{checkpoint} was written by {written}, and this run has {now}: DeepSpeed cannot load its "
+               f"{'optimizer partitions' if same_layout else 'state under another stage'}. Resume with the same "
+               f"DeepSpeed config and GPU count, or convert it and resume from the copy: python -m "
+               f"training.checkpoint_universal {run_dir} NEW_RUN_DIR, then start this run with output_dir=NEW_RUN_DIR")
+    raise ExpectedError(message) if rank == 0 else ReportedByAnotherRank(message)
 
 
 def zero_stage_advice(ds_config: dict, world_size: int) -> tuple[int, str] | None:
@@ -181,13 +205,15 @@ def zero_stage_advice(ds_config: dict, world_size: int) -> tuple[int, str] | Non
 
 def begin_run(cfg, *, rank: int):
     """The first steps of a run (pre-training or fine-tuning), in this order: the stop-signal handler
-    (a preemption signal during start-up is then honoured at the first step), the output directory
-    (rank 0 creates it), the seed, and deterministic algorithms when `cfg.deterministic` asks (before
-    the first matmul and the first compile). Returns (the StopRequest, the RunDir)."""
-    stop = StopRequest()
+    and launcher watch (a preemption signal during start-up is then honoured at the first step), the
+    output directory and its trainer lock (rank 0 creates and locks it before anything is written;
+    RunDirInUse when another trainer holds it), the seed, and deterministic algorithms when
+    `cfg.deterministic` asks (before the first matmul and the first compile). Returns (the
+    StopRequest, the RunDir)."""
+    stop = stop_request()
     run_dir = RunDir(cfg.output_dir)
     if rank == 0:
-        run_dir.create()
+        run_dir.lock_for_training()
     torch.manual_seed(cfg.seed)
     if cfg.deterministic:
         set_deterministic(True)
@@ -233,30 +259,58 @@ def matmul_peak_tflops(device: torch.device) -> float | None:
     return measure_matmul_tflops(device, iters=10)
 
 
-def launch(entry, argv: list[str] | None, *, doc: str, default_config: str, root: type) -> int:
-    """Shared command line of the training entry points (pretrain, finetune).
+class _SetupState:
+    completed = False
 
-    `--config` YAML, `--deepspeed_config` (default: the config's ds_config), `--local_rank` (set by
-    the deepspeed launcher), then `key=value` overrides. Initialises the process group and the
-    logger, then returns `entry(cfg, ds_config_path, dist_info)`, the process exit code.
+
+def _first_failed_rank(dist_info, failed: bool) -> int | None:
+    """The lowest rank that failed its set-up, or None (a collective on the CPU control group)."""
+    if dist_info.world_size == 1:
+        return dist_info.rank if failed else None
+    t = torch.tensor([dist_info.rank if failed else dist_info.world_size], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group())
+    first = int(t.item())
+    return None if first == dist_info.world_size else first
+
+
+def setup_complete(dist_info) -> None:
+    """Every rank calls this at the end of its set-up, before the engine's first collective: if a rank
+    failed before (its launch() joins this collective from its error path), every rank stops here,
+    and only the lowest failed rank prints its error."""
+    _SetupState.completed = True
+    first = _first_failed_rank(dist_info, failed=False)
+    if first is not None:
+        raise ReportedByAnotherRank(f"rank {first} failed during set-up")
+
+
+def launch(entry, argv: list[str] | None, *, doc: str, default_config: str, root: type) -> int:
+    """Shared command line of the training entry points (pretrain, finetune): `--config` YAML,
+    `--deepspeed_config` (default: the config's ds_config), `--local_rank` (set by the deepspeed
+    launcher), then `key=value` overrides (training/trainer_args.py). Installs the stop-signal
+    handlers, initialises the process group and the logger, then returns `entry(cfg, ds_config_path,
+    dist_info)`, the process exit code.
+
+    Errors the user can fix reach the caller (training/cli_errors.run_main) printed by one rank: a
+    config error by rank 0 (every rank has it), a set-up error by the lowest rank that has it
+    (`setup_complete`), a later one by the rank that meets it.
     """
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=default_config, help="run config (YAML)")
-    parser.add_argument("--deepspeed_config", default=None,
-                        help="DeepSpeed config; switch ZeRO stage by switching this file "
-                             "(default: the run config's ds_config)")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    parser.add_argument("overrides", nargs="*", help="run-config overrides, e.g. optim.base_lr=1e-2")
-    args = parser.parse_args(argv)
-    cfg = load_run_config(args.config, args.overrides, root=root)
+    args = parse_trainer_args(argv, doc=doc, default_config=default_config)
+    stop_request()  # before anything slow: a stop signal during start-up waits for the first step
+    cfg = load_trainer_config(args, root)
     owns_process_group = not dist.is_initialized()
     dist_info = init_distributed(cfg.device)
     setup_logging(dist_info.rank)
+    _SetupState.completed = False
     try:
         exit_code = entry(cfg, args.deepspeed_config, dist_info)
-    except Exception:
-        # The launcher (deepspeed, torchrun, srun) ends the other ranks when one exits non-zero.
-        logger.exception("%s failed on rank %d", entry.__name__, dist_info.rank)
+    except Exception as exc:
+        reports = _SetupState.completed or _first_failed_rank(dist_info, failed=True) == dist_info.rank
+        if owns_process_group and dist_info.device.type == "cpu":
+            # A gloo group left to the interpreter's exit can abort it (shutdown_distributed says why);
+            # an NCCL group after an error is left to the exit: its shutdown can wait on a failed peer.
+            shutdown_distributed()
+        if not reports:
+            raise ReportedByAnotherRank("another rank failed during set-up") from exc
         raise
     if owns_process_group:
         shutdown_distributed()

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from training.data.permutation import EpochPermutation
 from training.data.row_store import RowStore, open_split
 from training.data.span_corruption import NOISE_STREAM_TRAIN, NOISE_STREAM_VALIDATION, SpanCorruption
+from training.stop_signals import ignore_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -360,6 +361,7 @@ class PretrainBatches:
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
             pin_memory=self.pin_memory,
+            worker_init_fn=ignore_stop_signals,  # the rank decides when its workers end (stop_signals.py)
         )
         for micro_index, batch in enumerate(loader):
             if (micro_index + 1) % self.grad_acc == 0:
@@ -399,6 +401,7 @@ class ValidationBatches:
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=2 if self.num_workers > 0 else None,
+            worker_init_fn=ignore_stop_signals,
         )
 
 
