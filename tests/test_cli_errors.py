@@ -105,7 +105,7 @@ def test_config_loader_cli_reports_a_bad_key_in_one_line():
 
 
 @pytest.mark.parametrize("args, says", [
-    (["-m", "training.export", "{missing}", "{tmp}/hf"], "no complete checkpoint under {missing}"),
+    (["-m", "training.export", "{missing}", "{tmp}/hf"], "{missing} is not a run directory"),
     (["-m", "training.checkpoint_universal", "{missing}", "{tmp}/new"], "no complete checkpoint under"),
     (["-m", "training.plot_metrics", "{missing}", "--out", "{tmp}/x.png"], "{missing}/metrics.jsonl not found"),
     (["-m", "training.evaluate_sni", "{missing}", "--data", "{tmp}", "--out", "{tmp}/eval"], "--data {tmp}"),
