@@ -1,4 +1,4 @@
-"""Convert a run's checkpoint to DeepSpeed's universal format, to resume it with another ZeRO stage or
+r"""Convert a run's checkpoint to DeepSpeed's universal format, to resume it with another ZeRO stage or
 another number of GPUs (ZeRO 1-3 optimizer state is partitioned by world size and cannot be loaded
 elsewhere as it is).
 
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.invocation import command_name
 from training.checkpoint import (
     LATEST_NAME,
     META_NAME,
@@ -95,7 +96,7 @@ def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoin
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="the run whose checkpoint to convert")
     parser.add_argument("new_run_dir", help="run directory to resume in (with any ZeRO stage / GPU count)")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest complete)")

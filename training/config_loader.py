@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from data_prep.invocation import command_name
 from training.config import ConfigError, RunConfig, section_types
 
 # ------------------------------------------------------------------------------------------------
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print the resolved run config of CONFIG.yaml with overrides; 2 and the reason on a bad config."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m training.config_loader CONFIG.yaml [section.key=value ...]")
+        print(f"usage: {command_name()} CONFIG.yaml [section.key=value ...]")
         return 0
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     try:

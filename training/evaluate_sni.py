@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint on Super-Natural-Instructions (Tk-Instruct protocol: greedy, Rouge-L).
+r"""Evaluate a checkpoint on Super-Natural-Instructions (Tk-Instruct protocol: greedy, Rouge-L).
 
     python -m training.evaluate_sni CHECKPOINT --data /work/shared/data/sni --out DIR \
         [--max-instances-per-task N] [--batch-size B] [--tasks task1159_... task641_...]
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data_prep.invocation import command_name
 from training.checkpoint import load_run_model
 from training.distributed import shutdown_distributed
 from training.model.hf_compat import load_pretrained
@@ -78,7 +79,7 @@ def _dist_setup() -> tuple[int, int, torch.device]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="HF model directory, a run directory of ours, or a state-dict file/directory "
                    "with --preset")
     p.add_argument(

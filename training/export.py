@@ -14,13 +14,14 @@ import logging
 import sys
 from pathlib import Path
 
+from data_prep.invocation import command_name
 from training.checkpoint import load_run_model
 from training.model.hf_compat import save_hf_directory
 from training.run_dir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="the run's output_dir")
     parser.add_argument("out_dir", help="directory to write the Hugging Face model into")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest complete)")

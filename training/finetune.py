@@ -1,4 +1,4 @@
-"""Fine-tune T5 on Super-Natural-Instructions and evaluate Rouge-L (the Tk-Instruct protocol).
+r"""Fine-tune T5 on Super-Natural-Instructions and evaluate Rouge-L (the Tk-Instruct protocol).
 
     deepspeed training/finetune.py --config training/configs/sni.yaml \
         --deepspeed_config ds_configs/zero2.json [init=runs/base] [key=value ...]

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from data_prep.invocation import command_name
 from training.metrics import read_metrics
 from training.run_dir import RunDir
 
@@ -30,7 +31,7 @@ def curves(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("--out", default="loss.png", help="image to write (png, pdf, svg)")
     parser.add_argument("--log-y", action="store_true", help="logarithmic loss axis")

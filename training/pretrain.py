@@ -1,4 +1,4 @@
-"""Pre-train T5 v1.1 with T5 span corruption on DeepSpeed.
+r"""Pre-train T5 v1.1 with T5 span corruption on DeepSpeed.
 
     deepspeed training/pretrain.py --config training/configs/t5_base_c4.yaml \
         --deepspeed_config ds_configs/zero2.json [key=value ...]

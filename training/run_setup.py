@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_prep.invocation import command_name
 from data_prep.tokenizer import tokenizer_sha256
 from training.budget import Horizon
 from training.checkpoint import CheckpointManager, load_run_model
@@ -239,7 +240,7 @@ def launch(entry, argv: list[str] | None, *, doc: str, default_config: str, root
     the deepspeed launcher), then `key=value` overrides. Initialises the process group and the
     logger, then returns `entry(cfg, ds_config_path, dist_info)`, the process exit code.
     """
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(), description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=default_config, help="run config (YAML)")
     parser.add_argument("--deepspeed_config", default=None,
                         help="DeepSpeed config; switch ZeRO stage by switching this file "
