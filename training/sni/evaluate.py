@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from training.metrics import progress
 from training.sni.encoding import EOS_ID, EncodedExample, SNITokenizer, TemplateConfig, collate, encode_tasks
 from training.sni.rouge import Reference, sni_metrics
 from training.sni.tasks import load_references, load_sni
@@ -141,8 +142,9 @@ def generate_predictions(
     if hasattr(model, "eval"):
         model.eval()
     predictions: dict[str, str] = {}
+    batches = rank_batches(examples, batch_size, rank, world_size)
     try:
-        for indices in rank_batches(examples, batch_size, rank, world_size):
+        for indices in progress(batches, total=len(batches), desc="SNI generation (batches)", rank=rank):
             batch_examples = [examples[i] for i in indices]
             batch = collate(batch_examples, with_labels=False)
             out = model.generate(
