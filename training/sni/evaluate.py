@@ -244,20 +244,23 @@ def evaluate_sni(
         raise RuntimeError(f"{len(lost)} instances got no prediction after gathering, e.g. {lost[:3]}")
     metrics = None
     if rank == 0:
-        metrics = sni_metrics(predictions, eval_set.expected)
+        # official references whose instance the data lacks: missing by construction, not lost
+        absent = [r.id for r in eval_set.expected if r.id not in eval_set.references]
+        metrics = sni_metrics(predictions, eval_set.expected, absent_from_data=absent)
         metrics["eval_seconds"] = round(time.time() - start, 2)
         metrics["decoding"] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams,
                                **_beam_settings(num_beams, length_penalty)}  # fmt: skip
         if out_dir is not None:
             write_outputs(out_dir, eval_set, predictions, metrics)
         logger.info(
-            "SNI eval: rougeL %.2f exact_match %.2f over %d instances of %d tasks (%d missing) in %.0f s",
+            "SNI eval: rougeL %.2f exact_match %.2f over %d instances of %d tasks in %.0f s%s",
             metrics["rougeL"],
             metrics["exact_match"],
             metrics["n_instances"],
             metrics["n_tasks"],
-            metrics["n_missing"],
             metrics["eval_seconds"],
+            f" ({metrics['n_absent_from_data']} official references have no instance in the data)"
+            if metrics["n_absent_from_data"] else "",
         )
     if world_size > 1:
         box = [metrics]
