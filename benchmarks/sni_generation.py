@@ -1,4 +1,4 @@
-"""Time SNI generation (the costly part of `evaluate_sni`) for a model size on this machine.
+r"""Time SNI generation (the costly part of `evaluate_sni`) for a model size on this machine.
 
     python benchmarks/sni_generation.py --data /path/to/sni --preset base \
         --instances 1024 --batch-sizes 32 64 128 [--checkpoint HF_DIR] [--dtype bf16] [--num-beams 4]

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from data_prep import __version__
 from data_prep.chunk_encoding import init_worker, iter_chunks, ordered_results
+from data_prep.invocation import command_name
 from data_prep.progress import (
     STATE_NAME,
     ProgressWriter,
@@ -510,7 +511,7 @@ def run_sharding(cfg: ShardConfig) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m data_prep.shard",
+        prog=command_name(),
         description="Tokenise a corpus into packed-row WebDataset shards (see docs/data_prep.md).",
     )
     p.add_argument("--input", required=True, help="train source: file glob, local HF dataset dir or HF name")

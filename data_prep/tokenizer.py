@@ -27,6 +27,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from data_prep.invocation import command_name
 from data_prep.sources import payload_to_text, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ def train_sentencepiece(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_prep.tokenizer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a SentencePiece unigram model with T5's special ids")
     train.add_argument("--input", required=True, help="glob of .jsonl/.json.gz/.txt/.parquet files")

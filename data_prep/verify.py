@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.invocation import command_name
 from data_prep.shard_format import iter_shard_blocks, load_manifest, sha256_file, split_shards
 from data_prep.tokenizer import tokenizer_sha256
 
@@ -109,7 +110,7 @@ def verify_dataset(data_dir: str | Path, tokenizer: str | None = None) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_prep.verify", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__.split("\n")[0])
     parser.add_argument("dir", help="dataset directory holding manifest.json")
     parser.add_argument("--tokenizer", default=None, help="check this tokenizer's hash against the manifest")
     args = parser.parse_args(argv)

@@ -15,11 +15,18 @@ python -m data_prep.shard --input 'assets/c4/en/c4-*.json.gz' --tokenizer assets
 echo "== verify the shards"
 python -m data_prep.verify runs/demo/shards
 
-echo "== pre-train a tiny T5 (training/configs/tiny_demo.yaml)"
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  launcher=(deepspeed)                 # every GPU of this machine
+  echo "== pre-train a tiny T5 (training/configs/tiny_demo.yaml) on every GPU of this machine"
+  # A free port: another job on this machine may hold the launcher's default one.
+  port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  launcher=(deepspeed --log_level warning --master_port "$port")
 else
-  launcher=(deepspeed --num_gpus 1)    # CPU: one process (gloo)
+  echo "== pre-train a tiny T5 (training/configs/tiny_demo.yaml) on the CPU"
+  # One process needs no launcher (training/distributed.py starts a one-rank group on a free port),
+  # and DeepSpeed is told the accelerator instead of guessing it, and warning, in every process.
+  export DS_ACCELERATOR=cpu
+  launcher=(python)
 fi
 "${launcher[@]}" training/pretrain.py --config training/configs/tiny_demo.yaml \
   --deepspeed_config ds_configs/zero0.json "$@"
+echo "== demo done in $((SECONDS / 60)) min $((SECONDS % 60)) s"

@@ -1,10 +1,18 @@
 """A real one-node SLURM cluster for the tests: install it, start its daemons in a private temp dir,
-submit jobs, poll them, stop everything.
+submit jobs, poll them, stop everything, and remove what the install added.
 
+    skip_reason()                         # None only with T5DS_TEST_SLURM=1 (the tests are opt-in)
     cluster = LocalSlurm.start()          # raises SlurmUnavailable when this machine cannot run one
     job = cluster.sbatch("slurm/pretrain.sbatch", ["--ntasks=2"], env={...})
     result = cluster.wait(job)            # JobResult(state="COMPLETED", exit_code=0, signal=0, ...)
     cluster.stop()
+    remove_installed_packages()           # purge what install() added, once no other cluster runs
+
+Where SLURM is missing, `install()` (root, apt-get) installs the Debian packages with their services
+held back (a policy-rc.d that denies every start, so no system-wide munged or slurmd starts), and
+records every package it added in INSTALL_RECORD; `remove_installed_packages()` purges exactly those
+(their systemd units and state go with them) when no test session's cluster still runs, so the last
+session to finish leaves the machine as it found it, also after a killed session.
 
 Follows /work/shared/notes/local-slurm.md: Slurm from Debian's `slurmctld slurmd slurm-client munge`
 packages, every path absolute and inside a fresh `mktemp -d`, munge auth on a private socket, the node
@@ -17,6 +25,8 @@ are stopped by the next `start()` (their owner process is gone).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
 import re
@@ -26,12 +36,18 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged"]
 SBIN = "/usr/sbin"  # where Debian installs the daemons
+OPT_IN = "T5DS_TEST_SLURM"  # the SLURM tests run only where this is 1
+INSTALL_RECORD = Path("/var/lib/t5ds-test-slurm/installed-packages.json")  # what install() added
+POLICY_RC_D = Path("/usr/sbin/policy-rc.d")  # Debian asks it before a package starts a service
+
+Runner = Callable[..., subprocess.CompletedProcess]
 
 
 class SlurmUnavailable(RuntimeError):
@@ -50,31 +66,121 @@ class JobResult:
     fields: dict[str, str]  # everything scontrol printed
 
 
+def skip_reason(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why the SLURM tests skip here, or None where they are asked for (T5DS_TEST_SLURM=1)."""
+    if environ.get(OPT_IN, "").strip().lower() in ("1", "true", "yes"):
+        return None
+    return (
+        f"set {OPT_IN}=1 to run the SLURM tests: they start a local slurmctld, slurmd and munged, and "
+        f"where SLURM is missing install the Debian packages {' '.join(PACKAGES)} with apt-get as root "
+        "(purged again when the tests end)"
+    )
+
+
 def missing_binaries() -> list[str]:
     return [b for b in BINARIES if shutil.which(b) is None and not Path(SBIN, b).exists()]
 
 
-def install(timeout_s: float = 600) -> None:
-    """apt-get install the SLURM packages unless they are present; SlurmUnavailable when it cannot."""
-    if not missing_binaries():
+def installed_packages(run: Runner = subprocess.run) -> set[str]:
+    """The Debian packages installed now (dpkg's status "install ok installed")."""
+    proc = run(["dpkg-query", "-W", "-f", "${Package}\t${Status}\n"], capture_output=True, text=True, timeout=60)
+    return {
+        line.split("\t")[0]
+        for line in proc.stdout.splitlines()
+        if line.endswith("\tinstall ok installed")
+    }
+
+
+@contextlib.contextmanager
+def services_held_back(policy: Path = POLICY_RC_D) -> Iterator[None]:
+    """While packages are installed or purged, deny every service start or stop (Debian's
+    policy-rc.d, exit 101), so that the packages start no system-wide daemon. A policy-rc.d already
+    in place is left as it is."""
+    if policy.exists():
+        yield
         return
-    if os.geteuid() != 0:
+    policy.write_text("#!/bin/sh\n# t5ds tests: no service starts while SLURM packages change\nexit 101\n")
+    policy.chmod(0o755)
+    try:
+        yield
+    finally:
+        policy.unlink(missing_ok=True)
+
+
+def _apt(args: list[str], run: Runner, timeout_s: float) -> None:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    proc = run(["apt-get", *args], env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise SlurmUnavailable(f"`apt-get {' '.join(args)}` failed ({proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def install(
+    timeout_s: float = 600,
+    run: Runner = subprocess.run,
+    record: Path = INSTALL_RECORD,
+    policy: Path = POLICY_RC_D,
+    is_root: bool | None = None,
+) -> list[str]:
+    """apt-get install the SLURM packages unless they are present, services held back; returns the
+    packages it added (also added to `record`); SlurmUnavailable when it cannot."""
+    if not missing_binaries():
+        return []
+    if not (os.geteuid() == 0 if is_root is None else is_root):
         raise SlurmUnavailable(
             f"SLURM is not installed ({', '.join(missing_binaries())} missing) and installing "
             "it needs root: run `apt-get install slurmctld slurmd slurm-client munge` as root"
         )
     if shutil.which("apt-get") is None:
         raise SlurmUnavailable("SLURM is not installed and this machine has no apt-get to install it")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
-    ):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0:
-            raise SlurmUnavailable(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    before = installed_packages(run)
+    added: list[str] = []
+    try:
+        with services_held_back(policy):
+            _apt(["update", "-qq"], run, timeout_s)
+            _apt(["install", "-y", "-qq", "--no-install-recommends", *PACKAGES], run, timeout_s)
+    finally:  # a half-finished install is recorded too, so that it is removed
+        added = sorted(installed_packages(run) - before)
+        if added:
+            known = json.loads(record.read_text()) if record.exists() else []
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(sorted(set(known) | set(added))) + "\n")
     if missing_binaries():
         raise SlurmUnavailable(f"installed {PACKAGES} but {missing_binaries()} are still missing")
+    return added
+
+
+def clusters_running() -> bool:
+    """Whether a LocalSlurm of some test session (this one included) still runs on this machine."""
+    for root in Path(tempfile.gettempdir()).glob("t5ds-slurm-*"):
+        try:
+            owner = int((root / "owner.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if _alive(owner) and (root / "slurm.conf").exists():
+            return True
+    return False
+
+
+def remove_installed_packages(
+    run: Runner = subprocess.run,
+    record: Path = INSTALL_RECORD,
+    policy: Path = POLICY_RC_D,
+    timeout_s: float = 600,
+    busy: Callable[[], bool] = clusters_running,
+) -> list[str]:
+    """Purge the packages `install` recorded (their units, configuration and state go with them),
+    unless a cluster still runs: the session that stops last removes them. Returns what it purged."""
+    if not record.exists() or busy():
+        return []
+    packages = json.loads(record.read_text())
+    present = sorted(set(packages) & installed_packages(run))
+    if present:
+        with services_held_back(policy):
+            _apt(["purge", "-y", "-qq", *present], run, timeout_s)
+    record.unlink()
+    with contextlib.suppress(OSError):
+        record.parent.rmdir()
+    return present
 
 
 def _port_in_use(port: int) -> bool:

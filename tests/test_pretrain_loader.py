@@ -3,6 +3,7 @@
 import gzip
 import io
 import json
+import multiprocessing
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -353,6 +354,20 @@ def test_next_on_the_loader_and_load_state_dict(dataset):
     assert next(resumed)["sample_index"].tolist() == [20, 21, 22, 23]
     loader.load_state_dict(saved)  # rewinds the internal iterator to the cursor
     assert next(loader)["sample_index"].tolist() == [18, 19]
+
+
+def test_close_stops_the_workers_and_a_later_next_resumes_at_the_cursor(dataset):
+    """close() ends the loader's worker processes at once (left to the garbage collector, the
+    iterator's reference cycle makes the loader wait 5 s for a worker that is never told to stop)."""
+    before = set(multiprocessing.active_children())  # loaders of other tests may still hold workers
+    loader = make_loader(dataset, micro_batch_size=2, grad_acc=1, num_workers=1)
+    assert [next(loader)["sample_index"].tolist() for _ in range(2)] == [[0, 1], [2, 3]]
+    (worker,) = set(multiprocessing.active_children()) - before
+    loader.close()
+    assert not worker.is_alive()
+    loader.close()  # twice is fine
+    assert next(loader)["sample_index"].tolist() == [4, 5]
+    loader.close()
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")

@@ -211,6 +211,15 @@ def test_zero_stage_advice_follows_the_measured_costs(config, world_size, level,
         assert advice[0] == level and says in advice[1], advice
 
 
+@pytest.mark.parametrize("config, world_size", [("zero1", 1), ("zero2", 1), ("zero0", 2)])
+def test_zero_stage_advice_is_for_gpus_only(config, world_size):
+    """The advice rests on T5 base's step times on GPUs: a CPU run (a tiny fine-tune on 2 gloo ranks)
+    gets none."""
+    ds = load_ds_config(f"ds_configs/{config}.json")
+    assert zero_stage_advice(ds, world_size, "cuda") is not None
+    assert zero_stage_advice(ds, world_size, "cpu") is None
+
+
 def test_zero_stage_advice_leaves_one_gpu_offload_alone():
     """ZeRO 2 with its optimizer offloaded to the CPU is how one GPU trains a model whose optimizer state
     does not fit: no warning there."""

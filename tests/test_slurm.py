@@ -4,10 +4,11 @@ Each job runs 2 tasks on this machine's CPUs (gloo), standing in for 2 GPUs (one
 GPU each (the multi-node script). The trainer is a parameter:
   "fake": tests/fake_trainer.py, same launch contract as training/pretrain.py, seconds per job;
   "real": training/pretrain.py on training/configs/tiny_demo.yaml and shards of the bundled C4 sample.
-The slurm-marked tests install SLURM with apt-get when it is missing (root needed) and are skipped on CI
-(CI=true), which must finish in 90 minutes on 2 cores.
+The slurm-marked tests run only with T5DS_TEST_SLURM=1 (CI leaves it unset): they start daemons and
+several training jobs (~2 minutes on an idle 2-core machine), and where SLURM is missing install it
+with apt-get (root needed), purging those packages again at the end (tests/slurm_cluster.py).
 
-    python -m pytest tests/test_slurm.py -m slurm -v
+    T5DS_TEST_SLURM=1 python -m pytest tests/test_slurm.py -m slurm -v
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_cluster import JobResult, LocalSlurm, SlurmUnavailable
+from tests import slurm_cluster as cluster_module
+from tests.slurm_cluster import (
+    JobResult,
+    LocalSlurm,
+    SlurmUnavailable,
+    install,
+    remove_installed_packages,
+    skip_reason,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,18 +45,14 @@ TRAINERS = ["fake", pytest.param("real", marks=pytest.mark.slow)]
 CPU_JOB = ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=60"]
 
 
-def _on_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
 # --- the cluster -----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def slurm_cluster(request) -> LocalSlurm:
-    if _on_ci():
-        pytest.skip(
-            "CI=true: the SLURM tests install packages and run several training jobs; CI must finish "
-            "in 90 minutes on 2 cores, so they run only by hand: python -m pytest -m slurm"
-        )
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    # Finalizers run last-registered first: the cluster stops, then what the install added goes.
+    request.addfinalizer(remove_installed_packages)
     try:
         cluster = LocalSlurm.start()
     except SlurmUnavailable as e:
@@ -436,3 +441,71 @@ def test_scripts_parse():
     ]:
         proc = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
         assert proc.returncode == 0, f"{script}: {proc.stderr}"
+
+
+# --- the opt-in, the install and the clean-up, without SLURM or root ---------------------------------
+def test_the_slurm_tests_are_opt_in():
+    reason = skip_reason({})
+    assert reason is not None and "T5DS_TEST_SLURM=1" in reason and "apt-get" in reason
+    assert skip_reason({"T5DS_TEST_SLURM": "0"}) == reason
+    assert skip_reason({"T5DS_TEST_SLURM": "1"}) is None
+
+
+class FakeDebian:
+    """dpkg-query and apt-get as far as install() and remove_installed_packages() use them."""
+
+    def __init__(self, installed: set[str], policy: Path) -> None:
+        self.installed = set(installed)
+        self.policy = policy
+        self.commands: list[list[str]] = []
+
+    def __call__(self, cmd, **kwargs):
+        self.commands.append(cmd)
+        out = ""
+        if cmd[0] == "dpkg-query":
+            out = "".join(f"{p}\tinstall ok installed\n" for p in sorted(self.installed)) + "gone\tdeinstall ok config-files\n"
+        elif cmd[:2] in (["apt-get", "install"], ["apt-get", "purge"]):
+            # every service start or stop the packages' scripts ask for is denied
+            assert self.policy.read_text().rstrip().endswith("exit 101") and os.access(self.policy, os.X_OK)
+            packages = [a for a in cmd[2:] if not a.startswith("-")]
+            if cmd[1] == "install":
+                self.installed |= {*packages, "libmunge2", "libslurm38"}  # with their dependencies
+            else:
+                self.installed -= set(packages)
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+
+def test_install_records_what_it_added_and_the_last_session_purges_exactly_that(tmp_path, monkeypatch):
+    policy, record = tmp_path / "policy-rc.d", tmp_path / "state" / "installed-packages.json"
+    debian = FakeDebian({"libc6", "bash"}, policy)
+    monkeypatch.setattr(cluster_module, "missing_binaries",
+                        lambda: [] if "slurmd" in debian.installed else ["slurmd"])  # fmt: skip
+    added = install(run=debian, record=record, policy=policy, is_root=True)
+    assert added == ["libmunge2", "libslurm38", "munge", "slurm-client", "slurmctld", "slurmd"]
+    assert json.loads(record.read_text()) == added
+    assert not policy.exists()  # held back only while apt-get ran
+    assert install(run=debian, record=record, policy=policy, is_root=True) == []  # present: nothing to do
+
+    # another session's cluster still runs: the packages stay for it
+    assert remove_installed_packages(run=debian, record=record, policy=policy, busy=lambda: True) == []
+    assert record.exists() and "slurmd" in debian.installed
+
+    debian.installed.discard("libslurm38")  # removed by hand meanwhile
+    purged = remove_installed_packages(run=debian, record=record, policy=policy, busy=lambda: False)
+    assert purged == ["libmunge2", "munge", "slurm-client", "slurmctld", "slurmd"]
+    assert debian.commands[-1][:2] == ["apt-get", "purge"] and debian.installed == {"libc6", "bash"}
+    assert not record.exists() and not record.parent.exists() and not policy.exists()
+    assert remove_installed_packages(run=debian, record=record, policy=policy, busy=lambda: False) == []
+
+
+def test_install_leaves_an_existing_policy_alone_and_needs_root(tmp_path, monkeypatch):
+    policy = tmp_path / "policy-rc.d"
+    policy.write_text("#!/bin/sh\nexit 101\n")
+    policy.chmod(0o755)
+    debian = FakeDebian(set(), policy)
+    monkeypatch.setattr(cluster_module, "missing_binaries", lambda: [] if debian.installed else ["slurmd"])
+    with pytest.raises(SlurmUnavailable, match="needs root"):
+        install(run=debian, record=tmp_path / "r.json", policy=policy, is_root=False)
+    assert debian.commands == []
+    install(run=debian, record=tmp_path / "r.json", policy=policy, is_root=True)
+    assert policy.read_text() == "#!/bin/sh\nexit 101\n"  # the machine's own policy stays

@@ -1,5 +1,6 @@
 """The SNI metric equals an independent computation of the official formula."""
 
+import logging
 import string
 
 import pytest
@@ -92,7 +93,7 @@ def test_aggregates_match_independent_formula():
     m = sni_metrics(predictions, expected + [missing])
     assert m["rougeL"] == round(expected_rouge, 4) and m["exact_match"] == round(expected_em, 4)
     assert m["n_instances"] == len(CASES) and m["n_tasks"] == 3
-    assert m["n_missing"] == 1 and m["missing_ids"] == ["id_missing"]
+    assert m["n_missing"] == 1 and m["missing_ids"] == ["id_missing"] and m["n_absent_from_data"] == 0
     # the official script scores a missing prediction as ""
     assert m["rougeL_missing_as_empty"] == round(expected_rouge * len(CASES) / (len(CASES) + 1), 4)
     for task in ("task_a", "task_b", "task_c"):
@@ -110,3 +111,25 @@ def test_normalisation_and_errors():
         sni_metrics({"unknown": "x"}, [Reference("a", "t", "c", ("x",))])
     with pytest.raises(ValueError, match="predictions but"):
         compute_metrics(["a"], [])
+
+
+def test_references_absent_from_the_data_are_counted_and_other_missing_ones_warned_about(caplog):
+    """A partial copy of SNI lacks some instances of the official references: those are missing by
+    construction (counted, no warning); a prediction missing for an instance that was evaluated is
+    warned about. Both count as empty in the *_missing_as_empty figures."""
+    expected = [Reference(f"id{i}", c[2], c[3], tuple(c[1])) for i, c in enumerate(CASES)]
+    absent = Reference("id_absent", "task_a", "Word Analogy", ("jar",))
+    predictions = {f"id{i}": c[0] for i, c in enumerate(CASES)}
+    with caplog.at_level(logging.INFO, logger="training.sni.rouge"):
+        m = sni_metrics(predictions, expected + [absent], absent_from_data=["id_absent"])
+    assert m["n_missing"] == m["n_absent_from_data"] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    lost = dict(predictions)
+    del lost["id0"]
+    with caplog.at_level(logging.INFO, logger="training.sni.rouge"):
+        m2 = sni_metrics(lost, expected + [absent], absent_from_data=["id_absent"])
+    assert m2["n_missing"] == 2 and m2["n_absent_from_data"] == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == ["no prediction for 1 evaluated instances; they count as empty in *_missing_as_empty"]
+    assert m2["rougeL_missing_as_empty"] < m["rougeL_missing_as_empty"]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from data_prep.invocation import command_name
 from training.checkpoint import (
     LATEST_NAME,
     META_NAME,
@@ -100,7 +101,7 @@ def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoin
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="the run whose checkpoint to convert")
     parser.add_argument("new_run_dir", help="run directory to resume in (with any ZeRO stage / GPU count)")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest complete)")
@@ -113,5 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> int:
+    """The console script: `main` with one-line errors (training/cli_errors.py)."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from data_prep.invocation import command_name
 from training.cli_errors import run_main
 from training.config import ConfigError, RunConfig, section_types
 
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     """Print the resolved run config of CONFIG.yaml with overrides (a bad config raises ConfigError)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m training.config_loader CONFIG.yaml [section.key=value ...]")
+        print(f"usage: {command_name()} CONFIG.yaml [section.key=value ...]")
         return 0
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     cfg = load_run_config(path, overrides)
@@ -302,5 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> int:
+    """The console script: `main` with one-line errors (training/cli_errors.py)."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

@@ -85,12 +85,20 @@ def disable_deepspeed_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def name_cpu_accelerator(requested_device: str) -> None:
+    """Where the run is on the CPU, tell DeepSpeed so (DS_ACCELERATOR=cpu, unless set) before it is
+    imported: it would find no GPU, take the CPU all the same and warn about it in every process."""
+    if requested_device == "cpu" or not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def init_distributed(requested_device: str = "auto") -> DistInfo:
     """Initialise torch.distributed through DeepSpeed (always, also for one process).
 
     Rank variables come from the launcher (RANK/WORLD_SIZE/LOCAL_RANK) or from SLURM
     (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID) when the job was started with `srun`.
     """
+    name_cpu_accelerator(requested_device)
     import deepspeed  # heavy import: only when a job really starts
 
     rank = _env_int("RANK", "SLURM_PROCID", default=0)

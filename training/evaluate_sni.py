@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data_prep.invocation import command_name
 from training.checkpoint import load_run_model
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors, run_main
 from training.distributed import shutdown_distributed
@@ -79,7 +80,7 @@ def _dist_setup() -> tuple[int, int, torch.device]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="HF model directory, a run directory of ours, or a state-dict file/directory "
                    "with --preset")
     p.add_argument(
@@ -168,5 +169,10 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cli() -> int:
+    """The console script: `main` with one-line errors (training/cli_errors.py)."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

@@ -16,6 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
+from data_prep.invocation import command_name
 from training.cli_errors import run_main
 
 
@@ -32,7 +33,7 @@ def _shard_size(text: str) -> int | str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="the run's output_dir")
     parser.add_argument("out_dir", help="directory to write the Hugging Face model into (new or empty)")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest complete)")
@@ -72,5 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> int:
+    """The console script: `main` with one-line errors (training/cli_errors.py)."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

@@ -43,7 +43,7 @@ from training.config import micro_batch_size
 from training.distributed import DistInfo, all_reduce_sum
 from training.ds_config import resolve_ds_config
 from training.finetune_config import FinetuneConfig
-from training.metrics import train_line
+from training.metrics import RemainingTime, train_line
 from training.nonfinite_watch import checkpoint_refusal
 from training.optim import weight_l2_norm
 from training.resume_policy import plan_resume
@@ -159,6 +159,7 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
     window_loss = torch.zeros((), device=device)
     window_tokens = torch.zeros((), dtype=torch.int64, device=device)
     window_steps, window_start = 0, time.perf_counter()
+    remaining = RemainingTime()
     first_step = step
     engine.train()
     while step < total_steps:
@@ -182,13 +183,15 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
         window_steps += 1
         if step == first_step + 1:
             log_first_step(metrics, step, time.perf_counter() - window_start)  # no window logged yet
+            remaining.start(step)
         if step % cfg.logging.every_steps == 0 or step == total_steps:
             loss, tokens = all_reduce_sum([window_loss.item(), float(window_tokens.item())], device)
             seconds = time.perf_counter() - window_start
             record = {"step": step, "loss": loss / (world_size * window_steps), "lr": scheduler.get_last_lr()[0],
                       "grad_l2": float(grad_l2) if grad_l2 is not None else engine.get_global_grad_norm(),
                       "seconds_per_step": seconds / window_steps,
-                      "tokens_per_s": tokens / seconds, "epoch": step / steps_per_epoch}
+                      "tokens_per_s": tokens / seconds, "epoch": step / steps_per_epoch,
+                      "eta_s": remaining.seconds(step, total_steps)}
             metrics.log("train", record)
             logger.info(train_line(record, total_steps))
             window_loss.zero_()
@@ -222,5 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     return launch(finetune, argv, doc=__doc__, default_config=FINETUNE_CONFIG, root=FinetuneConfig)
 
 
+def cli() -> int:
+    """The console script: `main` with one-line errors (training/cli_errors.py)."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 
+from data_prep.invocation import command_name
 from training.cli_errors import run_main
 from training.stop_signals import STOP_SIGNALS, launcher_name
 
@@ -179,7 +180,7 @@ def end_leftovers(session: int, grace_s: float = LEFTOVER_GRACE_S) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(f"usage: {command_name()} [deepspeed options] SCRIPT [script arguments]\n\n{__doc__}", end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
@@ -192,5 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def cli() -> int:
+    """The console script: `main` with one-line errors (training/cli_errors.py)."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

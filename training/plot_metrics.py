@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_prep.invocation import command_name
 from training.cli_errors import run_main
 from training.metrics import read_metrics
 from training.run_dir import RunDir
@@ -167,7 +168,7 @@ def default_output(runs: list[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("--out", default=None,
                         help="image to write (png, pdf, svg; default: RUN/metrics.png, or "
@@ -191,5 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> int:
+    """The console script: `main` with one-line errors (training/cli_errors.py)."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

@@ -43,7 +43,7 @@ from training.data import PretrainBatches, has_split, validation_batches
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.ds_config import resolve_ds_config
 from training.evaluation import evaluate_span_corruption
-from training.metrics import train_line
+from training.metrics import RemainingTime, train_line
 from training.model.config import T5Config
 from training.model.flops import model_flops_per_step
 from training.nonfinite_watch import NonfiniteWatch, checkpoint_refusal
@@ -209,6 +209,7 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     exit_code = 0
     skips = NonfiniteWatch(optimizer, engine, skipped_before=skipped_before)
     window = LogWindow(device)
+    remaining = RemainingTime()
     first_step = step
     engine.train()
     while step < horizon.total_steps:
@@ -219,6 +220,7 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
         budget.mark_step(step)
         if step == first_step + 1:
             log_first_step(metrics, step, time.perf_counter() - window.start)  # no window logged yet
+            remaining.start(step)
 
         # Non-finite loss or gradient: the update was skipped (by our optimizer or by DeepSpeed's
         # bf16/fp16 wrappers). adamwscale reports it a step late, which keeps the GPU from waiting.
@@ -248,6 +250,7 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
                 "skipped_steps": skips.skipped, "elapsed_s": budget.elapsed_s(),
                 # seconds per step this rank waited for the loader (0 when it keeps ahead of the GPU)
                 "data_wait_s": window.data_wait / window.steps,
+                "eta_s": remaining.seconds(step, horizon.total_steps),
             }
             if device.type == "cuda":  # the most any rank has held (ZeRO 3 partitions are uneven)
                 record["peak_mem_gib"] = all_reduce_max(torch.cuda.max_memory_allocated(device) / 2**30, device)
@@ -266,6 +269,7 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
             run_eval()
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < horizon.total_steps:
             save_checkpoint()
+    train_batches.close()  # its loader's worker stops now, not at the interpreter's exit
 
     if exit_code == 0:
         result = run_eval()
@@ -287,5 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     return launch(train, argv, doc=__doc__, default_config=PRETRAIN_CONFIG, root=RunConfig)
 
 
+def cli() -> int:
+    """The console script: `main` with one-line errors (training/cli_errors.py)."""
+    return run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli())

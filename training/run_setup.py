@@ -149,7 +149,7 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
         # One rank has nothing to reduce; DeepSpeed would still flatten, "all-reduce" and copy back
         # every gradient each step.
         engine.enable_backward_allreduce = False
-    advice = zero_stage_advice(ds_config, world_size)
+    advice = zero_stage_advice(ds_config, world_size, device.type)
     if advice is not None:
         logger.log(*advice)
     return engine, ckpt, resume_from, clip
@@ -176,9 +176,10 @@ def check_resumable_layout(meta: dict, checkpoint: Path, run_dir: RunDir, stage:
     raise ExpectedError(message) if rank == 0 else ReportedByAnotherRank(message)
 
 
-def zero_stage_advice(ds_config: dict, world_size: int) -> tuple[int, str] | None:
+def zero_stage_advice(ds_config: dict, world_size: int, device_type: str = "cuda") -> tuple[int, str] | None:
     """What the run's log says about its ZeRO stage at this world size, from the measured step times of
-    T5 base: (logging level, message), or None.
+    T5 base: (logging level, message), or None. Only on GPUs: those times say nothing about a CPU run
+    (tests, the demo, the tiny recipes).
 
     - ZeRO 1 or 2 on one rank without optimizer offload partitions nothing: DeepSpeed still copies
       the gradients into its flat fp32 partition and the update back every step, 30-45 ms a step for
@@ -186,6 +187,8 @@ def zero_stage_advice(ds_config: dict, world_size: int) -> tuple[int, str] | Non
     - ZeRO 0 on several ranks: its all-reduce after the backward is not overlapped, and it is still
       the fastest stage for T5 base on one node (2 H100s: 20% ahead of ZeRO 1/2). An info line saying
       so, and when to take ZeRO 1/2 instead."""
+    if device_type != "cuda":
+        return None
     stage = zero_stage(ds_config)
     zero = ds_config.get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from data_prep.invocation import command_name
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, report
 from training.config_loader import load_run_config
 
@@ -27,8 +28,8 @@ after a checkpoint: start the same command again to resume; 2 an error the messa
 def trainer_parser(doc: str, default_config: str) -> argparse.ArgumentParser:
     """`--config` YAML, `--deepspeed_config` (default: the config's ds_config), `--local_rank` (set by
     the deepspeed launcher), then `key=value` overrides."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=EPILOG)
+    parser = argparse.ArgumentParser(prog=command_name(), description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     parser.add_argument("--config", default=default_config,
                         help=f"run config (YAML; default {default_config}, found from any directory)")
     parser.add_argument("--deepspeed_config", default=None,

@@ -335,6 +335,14 @@ class PretrainBatches:
         self._cursor = cursor
         self._iterator = None  # the next `next()` starts at the loaded cursor
 
+    def close(self) -> None:
+        """Stop the internal iterator's loader workers now (at the end of a run). Left to the garbage
+        collector, the iterator goes with its queues in one reference cycle, and the loader then waits
+        5 s for a worker that is never told to stop."""
+        if self._iterator is not None:
+            self._iterator.close()
+            self._iterator = None
+
     def __next__(self) -> dict[str, torch.Tensor]:
         """`next(loader)` works too: it draws from one internal iterator, started at the cursor."""
         if self._iterator is None:

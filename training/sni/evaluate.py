@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from training.metrics import progress
 from training.sni.encoding import EOS_ID, EncodedExample, SNITokenizer, TemplateConfig, collate, encode_tasks
 from training.sni.rouge import Reference, sni_metrics
 from training.sni.tasks import load_references, load_sni
@@ -141,8 +142,9 @@ def generate_predictions(
     if hasattr(model, "eval"):
         model.eval()
     predictions: dict[str, str] = {}
+    batches = rank_batches(examples, batch_size, rank, world_size)
     try:
-        for indices in rank_batches(examples, batch_size, rank, world_size):
+        for indices in progress(batches, total=len(batches), desc="SNI generation (batches)", rank=rank):
             batch_examples = [examples[i] for i in indices]
             batch = collate(batch_examples, with_labels=False)
             out = model.generate(
@@ -242,20 +244,23 @@ def evaluate_sni(
         raise RuntimeError(f"{len(lost)} instances got no prediction after gathering, e.g. {lost[:3]}")
     metrics = None
     if rank == 0:
-        metrics = sni_metrics(predictions, eval_set.expected)
+        # official references whose instance the data lacks: missing by construction, not lost
+        absent = [r.id for r in eval_set.expected if r.id not in eval_set.references]
+        metrics = sni_metrics(predictions, eval_set.expected, absent_from_data=absent)
         metrics["eval_seconds"] = round(time.time() - start, 2)
         metrics["decoding"] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams,
                                **_beam_settings(num_beams, length_penalty)}  # fmt: skip
         if out_dir is not None:
             write_outputs(out_dir, eval_set, predictions, metrics)
         logger.info(
-            "SNI eval: rougeL %.2f exact_match %.2f over %d instances of %d tasks (%d missing) in %.0f s",
+            "SNI eval: rougeL %.2f exact_match %.2f over %d instances of %d tasks in %.0f s%s",
             metrics["rougeL"],
             metrics["exact_match"],
             metrics["n_instances"],
             metrics["n_tasks"],
-            metrics["n_missing"],
             metrics["eval_seconds"],
+            f" ({metrics['n_absent_from_data']} official references have no instance in the data)"
+            if metrics["n_absent_from_data"] else "",
         )
     if world_size > 1:
         box = [metrics]

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import logging
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from rouge_score import rouge_scorer
+from rouge_score import rouge_scorer, tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,9 @@ class RougeL:
     """Rouge-L F-measure as the official script computes it, one scorer per track (built once)."""
 
     def __init__(self) -> None:
-        self._default = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+        # RougeScorer(["rougeL"], use_stemmer=True) with its default tokenizer passed in: the same
+        # scorer, without rouge-score's log line "Using default tokenizer." at every evaluation.
+        self._default = rouge_scorer.RougeScorer(["rougeL"], tokenizer=tokenizers.DefaultTokenizer(use_stemmer=True))
         self._xlingual = None
 
     def __call__(self, prediction: str, reference: str, xlingual: bool = False) -> float:
@@ -159,15 +161,19 @@ class Reference:
     track: str = "default"
 
 
-def sni_metrics(predictions: Mapping[str, str], expected: Sequence[Reference]) -> dict:
+def sni_metrics(
+    predictions: Mapping[str, str], expected: Sequence[Reference], absent_from_data: Collection[str] = ()
+) -> dict:
     """Metrics of `predictions` (id -> text) over the `expected` instances.
 
     Returns {"rougeL", "exact_match", "n_instances", "n_tasks", "per_task", "per_category",
-    "n_missing", "missing_ids", "rougeL_missing_as_empty", "exact_match_missing_as_empty"}. The
-    headline numbers average over the expected instances that have a prediction; the
-    `*_missing_as_empty` ones score the others as "" (what the official script does, so these equal
-    its output when `expected` is the whole official reference file). A prediction for an id not in
-    `expected` raises.
+    "n_missing", "missing_ids", "n_absent_from_data", "rougeL_missing_as_empty",
+    "exact_match_missing_as_empty"}. The headline numbers average over the expected instances that
+    have a prediction; the `*_missing_as_empty` ones score the others as "" (what the official script
+    does, so these equal its output when `expected` is the whole official reference file). A
+    prediction for an id not in `expected` raises. `absent_from_data`: ids of official references
+    whose instance the data does not hold (a partial copy of SNI): missing by construction, they are
+    counted in `n_absent_from_data`; any other missing prediction is warned about.
     """
     by_id = {r.id: r for r in expected}
     if len(by_id) != len(expected):
@@ -196,10 +202,14 @@ def sni_metrics(predictions: Mapping[str, str], expected: Sequence[Reference]) -
         "n_missing": len(missing),
         "missing_ids": [m.id for m in missing],
     }
-    if missing:
+    absent = set(absent_from_data)
+    metrics["n_absent_from_data"] = sum(m.id in absent for m in missing)
+    unexpected = len(missing) - metrics["n_absent_from_data"]
+    if unexpected:
         logger.warning(
-            "no prediction for %d instances; they count as empty in *_missing_as_empty", len(missing)
+            "no prediction for %d evaluated instances; they count as empty in *_missing_as_empty", unexpected
         )
+    if missing:
         empty = [
             ScoredInstance(m.id, m.task, m.category, *score_instance("", m.references, m.track == "xlingual"))
             for m in missing
