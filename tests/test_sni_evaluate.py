@@ -217,6 +217,7 @@ def test_two_ranks_equal_one_rank(tmp_path, tokenizer):
 
 
 def test_cli_on_hf_directory_and_state_dict(tmp_path, capsys):
+    from training.cli_errors import run_main
     from training.evaluate_sni import load_model_for_eval, main
 
     model = _tiny_model()
@@ -240,7 +241,7 @@ def test_cli_on_hf_directory_and_state_dict(tmp_path, capsys):
     a = _read_predictions(tmp_path / "a" / "predictions.jsonl")
     b = _read_predictions(tmp_path / "b" / "predictions.jsonl")
     assert a == b and len(a) == 3
-    assert main([str(hf_dir), "--out", str(tmp_path / "a"), *argv]) == 2  # refuses to overwrite
+    assert run_main(main, [str(hf_dir), "--out", str(tmp_path / "a"), *argv]) == 2  # refuses to overwrite
     with pytest.raises(ValueError, match="--preset"):
         (tmp_path / "bare").mkdir()
         torch.save(model.state_dict(), tmp_path / "bare" / "weights.pt")
