@@ -234,7 +234,7 @@ def check_ds_batch_sum() -> None:
 
 
 def _check_ds_batch_sum_far() -> None:
-    """The batch sum given `far` (`_ds_batch_sum_far_kernel`, the test's ROWS 4 and COLS 8): given dS whose rows sum
+    """The batch sum given `far` (`_ds_batch_sum_far_kernel`, the test's ROWS=4 and COLS=8): given dS whose rows sum
     to 0, as the backward's do, the sums over each far region and every element outside the blocks it
     skips equal the whole sum's; rows that straddle the middle, a partial last row block and key block.
     Given rows that do not sum to 0 the far regions' sums differ: the kernel did not read them all.

@@ -23,10 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from training.config import ConfigError
-from training.run_dir import CONFIG_NAME
+from training.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +111,13 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, 
     return {k: (old[k], new[k]) for k in new if k in old and old[k] != new[k]}
 
 
-def saved_run_config(meta: dict[str, Any], config_file: Path) -> dict[str, Any] | None:
+def saved_run_config(meta: dict[str, Any], run_dir: RunDir) -> dict[str, Any] | None:
     """The config a checkpoint was written under: its meta.json's, else the run directory's config.yaml
     (an older version's checkpoint), else None."""
     if isinstance(meta.get("run_config"), dict):
         return meta["run_config"]
-    if config_file.is_file():
-        return yaml.safe_load(config_file.read_text())
+    if run_dir.config_file.is_file():
+        return run_dir.read_config()
     return None
 
 
@@ -182,7 +180,7 @@ def plan_resume(cfg: Any, ckpt: Any, checkpoint: Path, run_dir: Any, *, rank: in
     """The ResumePlan of a run (`cfg`, a RunConfig or FinetuneConfig) resuming from `checkpoint` of its
     CheckpointManager `ckpt`; rank 0 logs what changed. ResumeConfigError when a change cannot apply."""
     meta = ckpt.read_meta(checkpoint)
-    plan = ResumePlan(cfg.to_dict(), saved_run_config(meta, Path(run_dir) / CONFIG_NAME), checkpoint=checkpoint,
+    plan = ResumePlan(cfg.to_dict(), saved_run_config(meta, RunDir(run_dir)), checkpoint=checkpoint,
                       step=int(meta["step"]))
     if rank == 0:
         plan.log()
