@@ -13,6 +13,7 @@ import yaml
 
 from data_prep.shard_format import t5_span_lengths
 from training import config as config_module
+from training import config_loader
 from training.config import ConfigError, RunConfig, eval_batch_size_per_rank, micro_batch_size
 from training.config_loader import apply_overrides, dump_yaml, from_dict, load_run_config
 
@@ -346,3 +347,36 @@ def test_shipped_configs_and_tokenizer_are_found_from_any_directory(tmp_path, mo
     assert load_run_config("training/configs/tiny_demo.yaml", []).data.tokenizer == "assets/t5/spiece.model"
     with pytest.raises(ConfigError, match="does not exist; the shipped run configs in .*tiny_demo.yaml"):
         load_run_config("training/configs/tiny_demo_typo.yaml", [])
+
+
+@dataclasses.dataclass
+class _Source:
+    dir: str
+    weight: float = 1.0
+
+
+@dataclasses.dataclass
+class _ListSection:
+    sources: tuple[_Source, ...] = ()
+    lengths: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class _ListRoot:
+    data: _ListSection = dataclasses.field(default_factory=_ListSection)
+
+
+def test_list_fields_from_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  sources:\n    - {dir: a, weight: 3}\n    - dir: b\n  lengths: [1, 2]\n")
+    cfg = config_loader.load_run_config(path, root=_ListRoot)
+    assert cfg.data.sources == (_Source("a", 3.0), _Source("b", 1.0))
+    assert cfg.data.lengths == (1, 2)
+    cfg = config_loader.load_run_config(path, ["data.sources=[{dir: c, weight: 0.5}]", "data.lengths=[7]"],
+                                        root=_ListRoot)
+    assert cfg.data.sources == (_Source("c", 0.5),) and cfg.data.lengths == (7,)
+    for bad, message in (("data.sources=[{dir: c, size: 1}]", r"unknown key data.sources\[0\].size"),
+                         ("data.sources={dir: c}", "must be a list"),
+                         ("data.lengths=[1, x]", r"data.lengths\[1\]='x' is not an int")):
+        with pytest.raises(ConfigError, match=message):
+            config_loader.load_run_config(path, [bad], root=_ListRoot)

@@ -191,3 +191,38 @@ def test_sigterm_to_the_process_group_of_training_launch(shards, tmp_path):
     run.assert_nothing_left()
     run.assert_stop_checkpoint(world_size=2)
     assert "--master_port=" in run.output()
+
+
+def test_the_forwarder_decides_local_or_remote_once(tmp_path):
+    """Once the runner's child is seen to be DeepSpeed's local launch process, the run stays local:
+    a later child that is not a launcher (or one whose command line reads empty as it exits) must not
+    make the forwarder send the signals to the runner itself."""
+    from training.launch import SignalForwarder
+
+    fake = tmp_path / "deepspeed" / "launcher"
+    fake.mkdir(parents=True)
+    (fake.parent / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "launch.py").write_text("import time\ntime.sleep(1)\n")
+    runner = ("import subprocess, sys\n"
+              "subprocess.run([sys.executable, '-m', 'deepspeed.launcher.launch'])\n"
+              "subprocess.run(['sleep', '30'])\n")
+    forwarder = SignalForwarder()
+    try:
+        forwarder.child = subprocess.Popen([sys.executable, "-c", runner], env=dict(_env(), PYTHONPATH=str(tmp_path)))
+        deadline = time.monotonic() + 30
+        while forwarder.remote is None and time.monotonic() < deadline:
+            assert not forwarder._remote_launch()
+            time.sleep(0.05)
+        assert forwarder.remote is False
+        while not any(c.name() == "sleep" for c in psutil.Process(forwarder.child.pid).children()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert not forwarder._remote_launch()
+    finally:
+        for child in psutil.Process(forwarder.child.pid).children(recursive=True):
+            child.kill()
+        forwarder.child.kill()
+        forwarder.child.wait()
+        for sig, handler in forwarder._previous.items():
+            signal.signal(sig, handler)

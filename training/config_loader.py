@@ -8,7 +8,8 @@ A YAML file holds the sections of the root class (any key left out keeps its def
 other.yaml` (a path relative to the file) inherits another config; the file's own keys win, section
 by section. Overrides name a key as `section.field=value` (or `field=value` for top-level keys); the
 value is parsed by the field's type: ints, floats (`2e-2`), bools (`true/false`), strings,
-`null`/`none` for optional fields, comma-separated tuples (`optim.betas=0.9,0.999`). Unknown keys
+`null`/`none` for optional fields, comma-separated tuples (`optim.betas=0.9,0.999`), lists (typed
+`tuple[X, ...]`; of records when X is a dataclass) in YAML flow style (`data.sources=[{dir: a}]`). Unknown keys
 and ill-typed values are errors that list what is valid.
 
 Shipped files are found from any working directory: a config path or `data.tokenizer` that does
@@ -81,6 +82,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 pass
         raise ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}")
+    if origin is tuple and typing.get_args(tp)[-1:] == (Ellipsis,):
+        return _coerce_records(value, typing.get_args(tp)[0], key)
     if origin is tuple:
         args = typing.get_args(tp)
         items = [s.strip() for s in value.split(",")] if isinstance(value, str) else value
@@ -133,6 +136,22 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return str(value)
         raise ConfigError(f"{key}={value!r} is not a string")
     raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
+
+
+def _coerce_records(value: Any, item_type: Any, key: str) -> tuple:
+    """A `tuple[X, ...]` field: a YAML list, or on the command line the same list in YAML flow style
+    (`data.sources='[{dir: a, weight: 3}, {dir: b, weight: 1}]'`); dataclass items come from mappings."""
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}={value!r} is not a YAML list; write it as [item, item, ...]") from None
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}=[...] or a YAML list under {key}")
+    if dataclasses.is_dataclass(item_type):
+        return tuple(item if isinstance(item, item_type) else _build_section(item_type, item, f"{key}[{i}]")
+                     for i, item in enumerate(value))
+    return tuple(_coerce(item, item_type, f"{key}[{i}]") for i, item in enumerate(value))
 
 
 def _section_fields(cls: type) -> dict[str, Any]:

@@ -92,6 +92,7 @@ class SignalForwarder:
         self.pending: list[int] = []  # signals received, in order
         self.delivered: dict[int, int] = {}  # rank pid -> how many of `pending` it got
         self.announced = 0  # how many of `pending` were logged
+        self.remote: bool | None = None  # whether the runner started a remote launcher; None until known
         self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
@@ -124,15 +125,21 @@ class SignalForwarder:
             self.delivered[rank.pid] = done
 
     def _remote_launch(self) -> bool:
-        """Whether DeepSpeed's runner started something other than its local launch process."""
+        """Whether DeepSpeed's runner started something other than its local launch process. Decided
+        once, from the first child whose command line can be read: an exiting process shows an empty
+        one, and taking that for a remote launcher would signal the runner itself."""
         import psutil
 
-        try:
-            children = psutil.Process(self.child.pid).children()
-            return bool(children) and not any(launcher_name(c.cmdline()) == "deepspeed.launcher.launch"
-                                               for c in children)
-        except psutil.Error:
-            return False
+        if self.remote is None:
+            try:
+                for child in psutil.Process(self.child.pid).children():
+                    cmdline = child.cmdline()
+                    if cmdline:
+                        self.remote = launcher_name(cmdline) != "deepspeed.launcher.launch"
+                        break
+            except psutil.Error:
+                pass
+        return bool(self.remote)
 
     def wait(self) -> int:
         """Wait for the child, forwarding signals meanwhile; its exit code (128 + N when killed by signal N)."""
