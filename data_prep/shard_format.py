@@ -40,7 +40,10 @@ _TAR_MTIME = 0
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype holding ids below `vocab_size` (uint16 for the T5 vocabulary)."""
+    """Smallest unsigned dtype holding ids below `vocab_size` (uint16 for the T5 vocabulary, uint32 for mT5's)."""
+    if vocab_size > np.iinfo(np.uint32).max + 1:
+        raise ValueError(f"a vocabulary of {vocab_size} ids does not fit the shards' largest token type (uint32, "
+                         f"{np.iinfo(np.uint32).max + 1} ids): use a tokenizer with fewer pieces")
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 

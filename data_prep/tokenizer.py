@@ -1,17 +1,23 @@
 """Tokenizers for sharding (SentencePiece model file or Hugging Face tokenizer directory) and a trainer.
 
-Vocabulary convention (T5's): a SentencePiece model has `pieces` ids (32000 for T5: pad=0, eos=1,
-unk=2, no bos). The model side adds 100 sentinels *after* the pieces, counting down:
+Vocabulary convention (T5's and mT5's): a SentencePiece model has `pieces` ids (32000 for T5: pad=0,
+eos=1, unk=2, no bos). The model side adds 100 sentinels *after* the pieces, counting down:
 `<extra_id_k>` = pieces + 99 - k, so `<extra_id_0>` = 32099 and `<extra_id_99>` = 32000 for T5.
 `vocab_size` recorded in the manifest is pieces + sentinels (32100 for T5); the model pads its
-embedding further (32128). A Hugging Face T5 tokenizer already contains the sentinels, so its
-`len(tokenizer)` is the same 32100.
+embedding further (32128). A Hugging Face tokenizer directory holds its sentinels as tokens
+`<extra_id_k>`, `<extra_id_0>` the highest and the others contiguous below it (T5, mT5); its
+`len(tokenizer)` is the vocabulary size (32100 for T5, 250100 for mT5).
 
 Train a new model for another language or domain:
 
     python -m data_prep.tokenizer train --input 'corpus/*.jsonl.gz' --vocab-size 32000 --output my/spiece
 
-writes `my/spiece.model` (+ `.vocab`) with the same special ids as T5 (pad=0, eos=1, unk=2, no bos).
+writes `my/spiece.model` (+ `.vocab`) with T5's special ids (pad=0, eos=1, unk=2, no bos), byte
+fallback (no text maps to unk), the UL2 mode tokens `[NLU]` `[NLG]` `[S2S]` as pieces 3-5
+(`--mode-tokens ''` for none), and `my/spiece-hf/`, the same vocabulary with its sentinels as a
+Hugging Face tokenizer directory (`AutoTokenizer.from_pretrained`), which export copies next to the
+model. A number of sentinels other than 100 (`--extra-ids N`) is recorded in that directory only,
+so give the directory as the tokenizer wherever one is asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import hashlib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -33,9 +40,11 @@ from data_prep.sources import payload_to_text, resolve_source
 logger = logging.getLogger(__name__)
 
 NUM_SENTINELS = 100
+UL2_MODE_TOKENS = ("[NLU]", "[NLG]", "[S2S]")  # UL2's paradigm tokens, one piece each
+HF_DIR_SUFFIX = "-hf"  # `train --output PREFIX` writes the Hugging Face directory PREFIX-hf
 DEFAULT_SPIECE = Path(__file__).resolve().parents[1] / "assets" / "t5" / "spiece.model"
 # Files hashed for a Hugging Face tokenizer directory (in sorted order); weights/configs are not.
-_HF_TOKENIZER_FILES = (
+HF_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -65,14 +74,16 @@ class TokenizerInfo:
     vocab_size: int  # ids the model may see: pieces + 100 sentinels (32100 for T5)
     eos_id: int  # appended after every document (1 for T5)
     pad_id: int  # 0 for T5
+    sentinel_start_id: int  # id of <extra_id_0>; <extra_id_k> = sentinel_start_id - k (32099 for T5)
+    num_sentinels: int  # 100 for T5 and mT5
 
 
 def hf_tokenizer_sha256(directory: str | os.PathLike) -> str:
     """sha256 over (name, sha256(content)) of the tokenizer files of a directory, sorted by name."""
     h = hashlib.sha256()
-    names = sorted(n for n in os.listdir(directory) if n in _HF_TOKENIZER_FILES)
+    names = sorted(n for n in os.listdir(directory) if n in HF_TOKENIZER_FILES)
     if not names:
-        raise ValueError(f"{directory}: no tokenizer files ({', '.join(_HF_TOKENIZER_FILES)})")
+        raise ValueError(f"{directory}: no tokenizer files ({', '.join(HF_TOKENIZER_FILES)})")
     for name in names:
         with open(Path(directory) / name, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
@@ -111,8 +122,9 @@ class Tokenizer:
                 raise ValueError(
                     f"{path}: tokenizer has no EOS token; sharding appends EOS after each document"
                 )
+            start, count = _hf_sentinels(self._hf, path)
             self.info = TokenizerInfo(
-                path, "huggingface", hf_tokenizer_sha256(path), len(self._hf), int(eos), int(pad or 0)
+                path, "huggingface", hf_tokenizer_sha256(path), len(self._hf), int(eos), int(pad or 0), start, count
             )
         else:
             self._sp = spm.SentencePieceProcessor(model_file=path)
@@ -126,6 +138,8 @@ class Tokenizer:
                 self._sp.get_piece_size() + NUM_SENTINELS,
                 eos,
                 max(self._sp.pad_id(), 0),
+                sentinel_id(0, self._sp.get_piece_size()),
+                NUM_SENTINELS,
             )
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -135,6 +149,26 @@ class Tokenizer:
         if self._sp is not None:
             return self._sp.encode(list(texts), num_threads=1)
         return self._hf(list(texts), add_special_tokens=False)["input_ids"]
+
+
+def _hf_sentinels(tokenizer, path: str) -> tuple[int, int]:
+    """(id of <extra_id_0>, number of sentinels) of a Hugging Face tokenizer; raises unless it has
+    T5's sentinels: <extra_id_0> the highest, each next one the id below."""
+    vocab = tokenizer.get_vocab()
+    if "<extra_id_0>" not in vocab:
+        raise ValueError(
+            f"{path}: tokenizer has no sentinel tokens <extra_id_0>, <extra_id_1>, ... that span corruption needs; "
+            "train one with `python -m data_prep.tokenizer train` or use a T5 / mT5 tokenizer"
+        )
+    start, count = vocab["<extra_id_0>"], 0
+    while f"<extra_id_{count}>" in vocab:
+        if vocab[f"<extra_id_{count}>"] != start - count:
+            raise ValueError(
+                f"{path}: <extra_id_{count}> has id {vocab[f'<extra_id_{count}>']}, not {start - count}: sentinels must "
+                "count down contiguously from <extra_id_0> (T5's convention); rebuild the tokenizer with extra_ids"
+            )
+        count += 1
+    return start, count
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
@@ -189,14 +223,20 @@ def train_sentencepiece(
     model_type: str = "unigram",
     num_threads: int = os.cpu_count() or 1,
     seed_sentencepiece_size: int = 1_000_000,
+    extra_ids: int = NUM_SENTINELS,
+    mode_tokens: Sequence[str] = UL2_MODE_TOKENS,
 ) -> TokenizerInfo:
-    """Train a SentencePiece model with T5's special ids (pad=0, eos=1, unk=2, no bos).
+    """Train a SentencePiece model with T5's special ids (pad=0, eos=1, unk=2, no bos), byte fallback
+    and `mode_tokens` as user-defined pieces (ids 3, 4, ...), and write its Hugging Face directory.
 
-    The 100 sentinels are not pieces of the model: the model side assigns `<extra_id_k>` =
-    vocab_size + 99 - k, as T5 does. Returns the info of the written `{output_prefix}.model`.
+    The `extra_ids` sentinels are not pieces of the model: `<extra_id_k>` = vocab_size +
+    extra_ids - 1 - k, as T5 assigns them; `{output_prefix}-hf/` holds them as tokens. Returns the
+    info of the written `{output_prefix}.model`.
     """
     if vocab_size < 8:
         raise ValueError(f"vocab_size must be >= 8, got {vocab_size}")
+    if extra_ids < 1:
+        raise ValueError(f"extra_ids must be >= 1 (span corruption needs sentinels), got {extra_ids}")
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     spm.SentencePieceTrainer.train(
         sentence_iterator=_iter_training_sentences(input_glob, text_field, txt_mode, max_docs),
@@ -210,6 +250,8 @@ def train_sentencepiece(
         pad_piece="<pad>",
         eos_piece="</s>",
         unk_piece="<unk>",
+        user_defined_symbols=list(mode_tokens),
+        byte_fallback=True,
         character_coverage=character_coverage,
         input_sentence_size=input_sentence_size,
         shuffle_input_sentence=True,
@@ -217,7 +259,50 @@ def train_sentencepiece(
         num_threads=num_threads,
         minloglevel=2,
     )
+    write_hf_tokenizer(f"{output_prefix}.model", f"{output_prefix}{HF_DIR_SUFFIX}", extra_ids)
     return load_tokenizer(f"{output_prefix}.model").info
+
+
+def write_hf_tokenizer(spiece_model: str | os.PathLike, out_dir: str | os.PathLike,
+                       extra_ids: int = NUM_SENTINELS) -> Path:
+    """Write a Hugging Face tokenizer directory for a SentencePiece model plus `extra_ids` sentinels
+    (`<extra_id_0>` the highest id): spiece.model, tokenizer.json, tokenizer_config.json.
+
+    A model without byte fallback (T5's) becomes what transformers' T5Tokenizer makes of it. One with
+    byte fallback is built from the model's own settings (transformers' SpmConverter), because
+    T5Tokenizer builds its Unigram without byte fallback and would map unseen characters to unk.
+    """
+    from transformers import PreTrainedTokenizerFast, T5Tokenizer  # here: slow to import, only this needs it
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(spiece_model, out / "spiece.model")
+    proto = import_protobuf().ModelProto()
+    proto.ParseFromString((out / "spiece.model").read_bytes())
+    if not proto.trainer_spec.byte_fallback:
+        # Loading from a directory that holds spiece.model converts it properly in transformers 4 and 5.
+        T5Tokenizer.from_pretrained(str(out), extra_ids=extra_ids).save_pretrained(str(out))
+        return out
+    if not hasattr(SpmConverter, "build_tokenizer_from_spm_proto"):
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} cannot convert a byte-fallback SentencePiece "
+                           "model: pip install -U transformers")
+    from tokenizers import processors
+
+    sentinels = [f"<extra_id_{k}>" for k in range(extra_ids)]
+    vocab = [(p.piece, p.score) for p in proto.pieces] + [(t, 0.0) for t in reversed(sentinels)]
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+    eos = proto.pieces[proto.trainer_spec.eos_id].piece
+    backend.post_processor = processors.TemplateProcessing(
+        single=["$A", eos], pair=["$A", eos, "$B", eos], special_tokens=[(eos, proto.trainer_spec.eos_id)]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=eos, unk_token=proto.pieces[proto.trainer_spec.unk_id].piece,
+        pad_token=proto.pieces[proto.trainer_spec.pad_id].piece, extra_special_tokens=sentinels,
+    ).save_pretrained(str(out))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,13 +321,25 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--character-coverage", type=float, default=0.9999)
     train.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
     train.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    train.add_argument("--extra-ids", type=int, default=NUM_SENTINELS,
+                       help="sentinels <extra_id_k> (T5: 100); another number is recorded in PREFIX-hf/ only")
+    train.add_argument("--mode-tokens", default=",".join(UL2_MODE_TOKENS),
+                       help="comma-separated pieces reserved with one id each (UL2's mode tokens; '' for none)")
     info_cmd = sub.add_parser("info", help="print vocab size, special ids and sha256 of a tokenizer")
     info_cmd.add_argument("tokenizer", nargs="?", default=str(DEFAULT_SPIECE))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "info":
-        print(asdict(load_tokenizer(args.tokenizer).info))
-        return 0
+    try:
+        if args.command == "info":
+            print(asdict(load_tokenizer(args.tokenizer).info))
+            return 0
+        return _train(args)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else exc!r}", file=sys.stderr)
+        return 2
+
+
+def _train(args: argparse.Namespace) -> int:
     info = train_sentencepiece(
         args.input,
         args.vocab_size,
@@ -254,10 +351,14 @@ def main(argv: list[str] | None = None) -> int:
         character_coverage=args.character_coverage,
         model_type=args.model_type,
         num_threads=args.num_threads,
+        extra_ids=args.extra_ids,
+        mode_tokens=[t for t in args.mode_tokens.split(",") if t],
     )
+    pieces = info.vocab_size - NUM_SENTINELS
     print(
-        f"wrote {info.path}: {info.vocab_size - NUM_SENTINELS} pieces (+{NUM_SENTINELS} sentinels = "
-        f"vocab_size {info.vocab_size}), eos={info.eos_id} pad={info.pad_id} sha256={info.sha256}"
+        f"wrote {info.path}: {pieces} pieces (+{args.extra_ids} sentinels = vocab_size {pieces + args.extra_ids}), "
+        f"eos={info.eos_id} pad={info.pad_id} sha256={info.sha256}; Hugging Face directory "
+        f"{args.output}{HF_DIR_SUFFIX}"
     )
     return 0
 
@@ -268,6 +369,7 @@ if __name__ == "__main__":
 
 __all__ = [
     "NUM_SENTINELS",
+    "UL2_MODE_TOKENS",
     "Tokenizer",
     "TokenizerInfo",
     "load_tokenizer",
@@ -275,4 +377,5 @@ __all__ = [
     "tokenize_documents",
     "tokenizer_sha256",
     "train_sentencepiece",
+    "write_hf_tokenizer",
 ]

@@ -89,9 +89,14 @@ class ModelConfig:
     in one all-gather) | pointwise (only the RMS norms and gated GELUs). training/zero3_compile.py."""
     init_from: str | None = None
     """Optional weights to start from: a Hugging Face model dir or a nanoT5 state dict (.pt/.bin)."""
+    vocab_size: int | None = None
+    """Rows of the embedding and the head; null: the tokenizer's ids rounded up to a multiple of 128
+    (32128 for T5's, 250112 for mT5's). training/vocabulary.py."""
 
     def __post_init__(self) -> None:
         _check_choice("model.preset", self.preset, MODEL_PRESETS)
+        _check(self.vocab_size is None or self.vocab_size >= 1,
+               f"model.vocab_size={self.vocab_size} must be >= 1, or null to take the tokenizer's")
         _check(
             0.0 <= self.dropout_rate < 1.0,
             f"model.dropout_rate={self.dropout_rate} must be in [0, 1); 0.0 is the pre-training default",
@@ -112,7 +117,8 @@ class DataConfig:
     dir: str = "data/c4_shards"
     """Directory written by `python -m data_prep.shard` (manifest.json, train/, validation/)."""
     tokenizer: str = "assets/t5/spiece.model"
-    """SentencePiece model; its sha256 must match the one recorded in the shard manifest."""
+    """SentencePiece .model file or Hugging Face tokenizer directory; its sha256, vocabulary size and
+    sentinels must match those recorded in the shard manifest, and it sizes the model's vocabulary."""
     input_length: int = 512
     """Encoder input length in tokens after span corruption (the raw row is longer: 568 for 512)."""
     noise_density: float = 0.15
@@ -124,7 +130,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.dir), "data.dir must name the shard directory written by data_prep.shard")
-        _check(bool(self.tokenizer), "data.tokenizer must name a SentencePiece .model file")
+        _check(bool(self.tokenizer), "data.tokenizer must name a SentencePiece .model file or tokenizer directory")
         _check(self.input_length >= 8, f"data.input_length={self.input_length} must be >= 8 tokens")
         _check(
             0.0 < self.noise_density < 1.0,

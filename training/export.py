@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", help="the run's output_dir")
     parser.add_argument("out_dir", help="directory to write the Hugging Face model into (new or empty)")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest complete)")
-    parser.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the run's data.tokenizer)")
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece model or tokenizer directory (default: the run's data.tokenizer)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the exported weights (default: float32, as trained)")
     parser.add_argument("--max-shard-size", type=_shard_size, default=None,
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = args.tokenizer
         if tokenizer is None:  # pre-training and fine-tuning configs both keep it at data.tokenizer
             tokenizer = RunDir(args.run_dir).read_config()["data"]["tokenizer"]
-        if not Path(tokenizer).is_file():
+        if not Path(tokenizer).exists():
             raise FileNotFoundError(f"tokenizer {tokenizer} not found: pass --tokenizer PATH (a SentencePiece "
-                                    "model, e.g. assets/t5/spiece.model)")
+                                    "model, e.g. assets/t5/spiece.model, or a tokenizer directory)")
         model, checkpoint = load_run_model(args.run_dir, args.checkpoint)
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -62,6 +62,7 @@ from training.sni.encoding import SNITokenizer, TemplateConfig, encode_tasks, nu
 from training.sni.evaluate import build_eval_set, evaluate_sni
 from training.sni.tasks import load_sni
 from training.stop_signals import EXIT_REQUEUE
+from training.vocabulary import init_tokenizer, run_vocabulary
 
 logger = logging.getLogger("t5ds.finetune")
 
@@ -73,8 +74,11 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
 
     # --- data: every rank encodes the same instances (a few seconds), then takes its batches ----
+    cfg.data.tokenizer = cfg.data.tokenizer or init_tokenizer(cfg.init)
+    vocab = run_vocabulary(cfg.data.tokenizer, cfg.model.vocab_size)
     with expected_errors("data", ValueError, FileNotFoundError):  # the SNI files or the tokenizer do not fit
-        tokenizer = SNITokenizer(cfg.data.tokenizer)
+        tokenizer = SNITokenizer(Path(cfg.data.tokenizer) / "spiece.model" if Path(cfg.data.tokenizer).is_dir()
+                                 else cfg.data.tokenizer)
         template = TemplateConfig(num_pos_examples=cfg.data.num_pos_examples,
                                   max_source_length=cfg.data.max_source_length,
                                   max_target_length=cfg.data.max_target_length)
@@ -94,7 +98,7 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
     total_steps = min(cfg.optim.total_steps, steps_per_epoch * cfg.data.epochs)
 
     # --- model, optimizer, engine, resume -------------------------------------------------------
-    model, model_cfg = build_model(cfg.model, device, init=cfg.init)
+    model, model_cfg = build_model(cfg.model, device, init=cfg.init, vocab=vocab)
     horizon = Horizon(total_steps=total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     setup_complete(dist_info)  # every rank is set up, or every rank stops here and one prints the error

@@ -29,8 +29,9 @@ from training.config import (
 class SNIDataConfig:
     dir: str = "data/sni"
     """SNI data: the compact form (train/test .jsonl.gz) or a natural-instructions checkout root."""
-    tokenizer: str = "assets/t5/spiece.model"
-    """SentencePiece model of the pre-trained model (T5's for every T5 checkpoint)."""
+    tokenizer: str | None = None
+    """SentencePiece model (or tokenizer directory holding spiece.model) of the pre-trained model; null:
+    the init run's data.tokenizer, T5's (assets/t5/spiece.model) for any other init."""
     epochs: int = 2
     """Passes over the training instances; with optim.total_steps the smaller of the two ends the run."""
     max_instances_per_task: int = 100

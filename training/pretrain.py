@@ -61,23 +61,25 @@ from training.run_setup import (
     restore_rng_state,
     setup_complete,
     start_engine,
-    tokenizer_hash,
 )
 from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
+from training.vocabulary import RunVocabulary, run_vocabulary
 
 logger = logging.getLogger("t5ds.pretrain")
 
 
 @expected_errors("data.dir", ValueError, FileNotFoundError)  # the shards do not fit the run config
-def span_corruption_data(cfg: RunConfig, model_cfg: T5Config,
+def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary,
                          dist_info: DistInfo) -> tuple[PretrainBatches, list[dict] | None]:
     """This rank's training batches (a resumable stream) and validation batches (a fixed list; None when
-    the dataset has no validation split) of the span-corruption objective over the shards in `data.dir`."""
+    the dataset has no validation split) of the span-corruption objective over the shards in `data.dir`,
+    with the sentinels of the run's tokenizer."""
     rank, world_size = dist_info.rank, dist_info.world_size
     objective = {
         "input_length": cfg.data.input_length, "noise_density": cfg.data.noise_density,
         "mean_noise_span_length": cfg.data.mean_noise_span_length,
-        "expected_tokenizer_sha256": tokenizer_hash(cfg.data.tokenizer), "vocab_size": model_cfg.vocab_size,
+        "expected_tokenizer_sha256": vocab.tokenizer.sha256, "vocab_size": model_cfg.vocab_size,
+        "sentinel_start_id": vocab.sentinel_start_id,
     }
     train_batches = PretrainBatches(
         cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_batch_size(cfg, world_size),
@@ -150,8 +152,9 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
 
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
-    model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)
-    train_batches, val_batches = span_corruption_data(cfg, model_cfg, dist_info)
+    vocab = run_vocabulary(cfg.data.tokenizer, cfg.model.vocab_size)
+    model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from, vocab=vocab)
+    train_batches, val_batches = span_corruption_data(cfg, model_cfg, vocab, dist_info)
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     setup_complete(dist_info)  # every rank is set up, or every rank stops here and one prints the error

@@ -42,6 +42,7 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "model.preset": (REFUSED, "the model's shape is the checkpoint's"),
     "model.init_from": (REFUSED, "a resumed run continues from its checkpoint; other starting weights need a new "
                                  "output_dir"),
+    "model.vocab_size": (REFUSED, "the model's shape is the checkpoint's"),
     "model.dropout_rate": (APPLIES, "from the resume step on"),
     "model.attention_backend": (APPLIES, "the same weights, computed by other kernels"),
     "model.residual_dtype": (APPLIES, "the same weights, computed in another precision"),

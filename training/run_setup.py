@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_prep.tokenizer import tokenizer_sha256
 from training.budget import Horizon
 from training.checkpoint import CheckpointManager, load_run_model
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors
@@ -33,25 +32,19 @@ from training.optim import bind_zero_layout, build_optimizer, global_grad_norm, 
 from training.run_dir import RunDir
 from training.stop_signals import stop_request
 from training.trainer_args import load_trainer_config, parse_trainer_args
+from training.vocabulary import RunVocabulary, check_init_vocabulary
 from training.zero3_compile import prepare_for_zero3
 
 logger = logging.getLogger(__name__)
 
 
-def tokenizer_hash(path: str | Path) -> str:
-    """The tokenizer hash data_prep recorded in the manifest (a .model file or an HF directory)."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"tokenizer {path} not found: set data.tokenizer to the tokenizer the shards were "
-                                "made with (assets/t5/spiece.model for T5)")
-    return tokenizer_sha256(path)
-
-
-def build_model(model_section, device: torch.device, init: str | None = None):
+def build_model(model_section, device: torch.device, init: str | None = None, vocab: RunVocabulary | None = None):
     """The model to train, on `device`, with fp32 master weights.
 
-    `init` picks the starting weights: None or "random" gives a fresh `model_section.preset`; a
-    directory holding model_config.json is one of our runs (its newest complete checkpoint); any
-    other path is a Hugging Face T5 directory or a nanoT5 state dict (shaped as the preset).
+    `init` picks the starting weights: None or "random" gives a fresh `model_section.preset` (with
+    `vocab`'s size, else T5's 32128); a directory holding model_config.json is one of our runs (its
+    newest complete checkpoint); any other path is a Hugging Face T5 directory or a nanoT5 state dict
+    (shaped as the preset). Starting weights of another vocabulary size than `vocab`'s are refused.
     Dropout, the attention backend, the residual dtype and the FFN kernel always come from
     `model_section`.
     """
@@ -66,6 +59,8 @@ def build_model(model_section, device: torch.device, init: str | None = None):
     if init in (None, "", "random"):
         # Built and initialised on the training device: an 11B model's random init on the host
         # takes minutes per rank and its fp32 copy 45 GB of host memory per rank.
+        if vocab is not None:
+            overrides["vocab_size"] = vocab.model_vocab_size
         with torch.device(device):
             model = T5ForConditionalGeneration(T5Config.from_preset(model_section.preset, **overrides))
     elif RunDir(init).is_run():
@@ -80,6 +75,8 @@ def build_model(model_section, device: torch.device, init: str | None = None):
     else:
         raise ExpectedError(f"init={init!r} is neither `random` nor an existing run directory, Hugging Face "
                             "directory or state-dict file")
+    if vocab is not None and init not in (None, "", "random"):
+        check_init_vocabulary(init, model.config.vocab_size, vocab)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model %s: %.1fM parameters", init or model_section.preset, n_params / 1e6)
     return model.to(device), model.config

@@ -225,6 +225,7 @@ def _corruption_and_store(
         vocab_size=vocab_size,
         eos_id=corruption.eos_id,
         expected_tokenizer_sha256=expected_tokenizer_sha256,
+        sentinel_start_id=sentinel_start_id,
     )
     return corruption, RowStore(info)
 

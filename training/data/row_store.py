@@ -70,6 +70,7 @@ def open_split(
     vocab_size: int,
     eos_id: int,
     expected_tokenizer_sha256: str | None,
+    sentinel_start_id: int | None = None,
 ) -> SplitInfo:
     """Read and check the manifest of `data_dir` for `split`. Raises ValueError on any mismatch."""
     manifest = load_manifest(data_dir)
@@ -96,6 +97,11 @@ def open_split(
         raise ValueError(
             f"{where}: the tokenizer has {data_vocab} ids but the model's vocabulary has only {vocab_size}: "
             "raise the model's vocab_size or re-shard with the model's tokenizer."
+        )
+    if sentinel_start_id is not None and tokenizer.get("sentinel_start_id", sentinel_start_id) != sentinel_start_id:
+        raise ValueError(
+            f"{where}: the data's tokenizer has <extra_id_0> = {tokenizer['sentinel_start_id']}, the run's "
+            f"{sentinel_start_id}: re-shard the corpus with the run's tokenizer, or set data.tokenizer to the data's"
         )
     if tokenizer.get("eos_id", eos_id) != eos_id:
         raise ValueError(f"{where}: the data's EOS id is {tokenizer.get('eos_id')}, the run's is {eos_id}")

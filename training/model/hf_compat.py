@@ -194,16 +194,19 @@ def _give_files_the_umask_mode(directory: Path, like: Path) -> None:
             path.chmod(mode)
 
 
-def _write_tokenizer(spiece_model: Path, out_dir: Path) -> None:
-    """spiece.model + transformers tokenizer files (100 sentinels <extra_id_*>), via transformers."""
-    if not spiece_model.is_file():
-        raise FileNotFoundError(f"SentencePiece model {spiece_model} not found (e.g. assets/t5/spiece.model)")
-    from transformers import T5Tokenizer
+def _write_tokenizer(tokenizer: Path, out_dir: Path) -> None:
+    """The tokenizer files: a Hugging Face tokenizer directory's, copied; for a SentencePiece model,
+    spiece.model and the transformers files with its 100 sentinels <extra_id_*> (data_prep.tokenizer)."""
+    from data_prep.tokenizer import HF_TOKENIZER_FILES, write_hf_tokenizer
 
-    shutil.copy(spiece_model, out_dir / "spiece.model")
-    # Loading from a directory that holds spiece.model converts it properly in transformers 4 and 5.
-    tokenizer = T5Tokenizer.from_pretrained(str(out_dir), extra_ids=100)
-    tokenizer.save_pretrained(str(out_dir))
+    if tokenizer.is_dir():
+        for name in HF_TOKENIZER_FILES:
+            if (tokenizer / name).is_file():
+                shutil.copy(tokenizer / name, out_dir / name)
+        return
+    if not tokenizer.is_file():
+        raise FileNotFoundError(f"SentencePiece model {tokenizer} not found (e.g. assets/t5/spiece.model)")
+    write_hf_tokenizer(tokenizer, out_dir)
 
 
 def untie_hf_lm_head(hf_model, model_dir: str | os.PathLike) -> None:
