@@ -340,8 +340,10 @@ def test_shipped_configs_and_tokenizer_are_found_from_any_directory(tmp_path, mo
     cfg = load_run_config("training/configs/tiny_demo.yaml", [])
     assert cfg.data.tokenizer == str(REPO_ROOT / "assets" / "t5" / "spiece.model")
     assert cfg.data.dir == "runs/demo/shards"  # the user's data stays relative to where they run
-    assert load_run_config("training/configs/sni_tiny.yaml", [], root=FinetuneConfig).data.tokenizer == \
-        str(REPO_ROOT / "assets" / "t5" / "spiece.model")
+    # fine-tuning takes its init's tokenizer unless one is given
+    assert load_run_config("training/configs/sni_tiny.yaml", [], root=FinetuneConfig).data.tokenizer is None
+    assert load_run_config("training/configs/sni_tiny.yaml", ["data.tokenizer=assets/t5/spiece.model"],
+                           root=FinetuneConfig).data.tokenizer == str(REPO_ROOT / "assets" / "t5" / "spiece.model")
     (tmp_path / "assets" / "t5").mkdir(parents=True)
     (tmp_path / "assets" / "t5" / "spiece.model").write_bytes(b"the user's own")
     assert load_run_config("training/configs/tiny_demo.yaml", []).data.tokenizer == "assets/t5/spiece.model"

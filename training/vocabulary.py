@@ -67,7 +67,12 @@ def check_init_vocabulary(init: str, init_vocab_size: int, vocab: RunVocabulary)
 
 
 def init_tokenizer(init: str) -> str:
-    """The tokenizer that goes with starting weights `init`: one of our runs' data.tokenizer, else T5's."""
-    if init not in ("", "random") and RunDir(init).is_run():
+    """The tokenizer that goes with starting weights `init`: one of our runs' data.tokenizer, a Hugging
+    Face directory itself where it holds spiece.model (an export, a T5 / mT5 download), else T5's."""
+    if init in ("", "random"):
+        return str(DEFAULT_SPIECE)
+    if RunDir(init).is_run():
         return RunDir(init).read_config()["data"]["tokenizer"]
+    if (Path(init) / "spiece.model").is_file():
+        return str(init)
     return str(DEFAULT_SPIECE)

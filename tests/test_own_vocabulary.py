@@ -1,0 +1,158 @@
+"""Pre-training T5 for another language, end to end on CPU, on the bundled German and French text
+(assets/debian-reference): train a tokenizer, shard, pre-train the tiny model, export, load with
+transformers (tokenize and decode with sentinels, generate), fine-tune from the run with its tokenizer.
+And the refusals: a tokenizer without sentinels, shards of another tokenizer, starting weights of
+another vocabulary, a model.vocab_size below the tokenizer's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data_prep.shard import ShardConfig, run_sharding
+from data_prep.tokenizer import UL2_MODE_TOKENS, load_tokenizer, train_sentencepiece
+from training.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO / "assets" / "debian-reference"
+PIECES = 2000
+TINY = ["--config", "training/configs/tiny_demo.yaml", "optim.total_steps=6", "optim.warmup_steps=1",
+        "optim.batch_size=8", "logging.every_steps=1", "eval.every_steps=0", "eval.max_samples=16",
+        "eval.batch_size=8", "checkpoint.every_steps=0", "data.input_length=64", "data.num_workers=0"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    prefix = tmp_path_factory.mktemp("tok") / "defr"
+    train_sentencepiece(str(TEXT / "*-train.jsonl.gz"), PIECES, str(prefix), num_threads=2,
+                        seed_sentencepiece_size=50_000)
+    return Path(f"{prefix}.model")
+
+
+@pytest.fixture(scope="module")
+def shards(tokenizer, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "defr"
+    run_sharding(ShardConfig(input=str(TEXT / "*-train.jsonl.gz"), validation_input=str(TEXT / "*-validation.jsonl.gz"),
+                             output=str(out), tokenizer=str(tokenizer), input_length=64, rows_per_shard=1024,
+                             workers=0, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pretrained(tokenizer, shards, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "defr"
+    run("training/pretrain.py", *TINY, f"output_dir={out}", f"data.dir={shards}", f"data.tokenizer={tokenizer}")
+    return out
+
+
+def test_trained_tokenizer_is_t5_shaped(tokenizer):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    assert [sp.id_to_piece(i) for i in range(6)] == ["<pad>", "</s>", "<unk>", *UL2_MODE_TOKENS]
+    text = "Größenänderung ✓ « déjà » 😀"
+    assert sp.unk_id() not in sp.encode(text) and sp.decode(sp.encode(text)) == text  # byte fallback
+    info = load_tokenizer(tokenizer).info
+    assert (info.vocab_size, info.sentinel_start_id, info.num_sentinels) == (PIECES + 100, PIECES + 99, 100)
+    hf = load_tokenizer(f"{tokenizer.with_suffix('')}-hf").info  # the same vocabulary as a directory
+    assert (hf.kind, hf.vocab_size, hf.sentinel_start_id, hf.num_sentinels, hf.eos_id, hf.pad_id) == (
+        "huggingface", PIECES + 100, PIECES + 99, 100, 1, 0)
+
+
+def test_shards_record_the_tokenizer(shards, tokenizer):
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["tokenizer"]["sha256"] == load_tokenizer(tokenizer).info.sha256
+    assert (manifest["tokenizer"]["sentinel_start_id"], manifest["dtype"]) == (PIECES + 99, "uint16")
+    assert manifest["splits"]["train"]["rows"] > 100 and manifest["splits"]["validation"]["rows"] > 8
+
+
+def test_pretrain_export_and_generate_with_transformers(pretrained, tokenizer, tmp_path):
+    import torch
+    from transformers import AutoTokenizer, T5ForConditionalGeneration
+
+    from training import export
+
+    model_config = json.loads((pretrained / "model_config.json").read_text())
+    assert model_config["vocab_size"] == 2176  # 2100 ids rounded up to a multiple of 128
+    loss = [r["loss"] for r in read_metrics(pretrained / "metrics.jsonl", "train")]
+    assert len(loss) == 6 and loss[-1] < loss[0]
+
+    hf_dir = tmp_path / "hf"
+    assert export.main([str(pretrained), str(hf_dir)]) == 0
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    model = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
+    assert len(tok) == PIECES + 100 and model.config.vocab_size == 2176
+    ids = tok("Die Datei wird <extra_id_0> kopiert. [NLU]").input_ids
+    assert tok.convert_tokens_to_ids(["<extra_id_0>", "<extra_id_99>", "[NLU]"]) == [PIECES + 99, PIECES, 3]
+    assert PIECES + 99 in ids and 3 in ids and ids[-1] == 1
+    assert tok.decode(ids, skip_special_tokens=True).split() == "Die Datei wird kopiert. [NLU]".split()
+    assert tok.decode(ids, skip_special_tokens=False).startswith("Die Datei wird<extra_id_0> kopiert.")
+    batch = tok(["Die Datei wird <extra_id_0> kopiert.", "Le fichier est <extra_id_0>."], return_tensors="pt",
+                padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=8, do_sample=False)
+    assert out.shape[0] == 2 and out.shape[1] > 1 and int(out.max()) < 2176
+    assert all(isinstance(t, str) for t in tok.batch_decode(out, skip_special_tokens=True))
+
+
+def test_finetune_takes_the_tokenizer_of_its_init_run(pretrained, tokenizer, tmp_path):
+    out = tmp_path / "ft"
+    run("training/finetune.py", "--config", "training/configs/sni_tiny.yaml", f"output_dir={out}",
+        f"init={pretrained}", "data.epochs=1", "data.max_train_tasks=2", "eval.max_tasks=1",
+        "eval.max_instances_per_task=2", "optim.total_steps=2", "checkpoint.at_end=false")
+    assert f"tokenizer: {tokenizer}" in (out / "config.yaml").read_text()
+    assert json.loads((out / "model_config.json").read_text())["vocab_size"] == 2176
+
+
+def test_refusals(pretrained, tokenizer, shards, tmp_path, spiece_path, capsys):
+    """Each a one-line error of the entry points (ExpectedError / ValueError under expected_errors)."""
+    from transformers import T5Tokenizer
+
+    from data_prep import shard
+    from training.cli_errors import ExpectedError
+    from training.data import PretrainBatches
+    from training.vocabulary import check_init_vocabulary, init_tokenizer, run_vocabulary
+
+    assert init_tokenizer(str(pretrained)) == str(tokenizer)
+    vocab = run_vocabulary(tokenizer)
+    with pytest.raises(ExpectedError, match="model.vocab_size=2048 is smaller than the 2100 ids"):
+        run_vocabulary(tokenizer, 2048)
+    with pytest.raises(ExpectedError, match="has a vocabulary of 32128 entries.*data.tokenizer"):
+        check_init_vocabulary("t5-run", 32128, vocab)  # T5 weights, this tokenizer
+    with pytest.raises(ExpectedError, match="has a vocabulary of 2176 entries.*data.tokenizer"):
+        check_init_vocabulary(str(pretrained), 2176, run_vocabulary(spiece_path))  # this run, T5's tokenizer
+    t5 = run_vocabulary(spiece_path)
+    with pytest.raises(ValueError, match="Re-shard the corpus with the run's tokenizer"):
+        PretrainBatches(shards, rank=0, world_size=1, micro_batch_size=2, grad_acc=1, seed=0, input_length=64,
+                        expected_tokenizer_sha256=t5.tokenizer.sha256, vocab_size=t5.model_vocab_size,
+                        sentinel_start_id=t5.sentinel_start_id, num_workers=0)
+
+    no_sentinels = tmp_path / "nosent"
+    no_sentinels.mkdir()
+    (no_sentinels / "spiece.model").write_bytes(spiece_path.read_bytes())
+    T5Tokenizer.from_pretrained(str(no_sentinels), extra_ids=0).save_pretrained(str(no_sentinels))
+    with pytest.raises(ExpectedError, match="no sentinel tokens <extra_id_0>"):
+        run_vocabulary(no_sentinels)
+    capsys.readouterr()
+    assert shard.main(["--input", str(TEXT / "de-validation.jsonl.gz"), "--output", str(tmp_path / "e"),
+                       "--tokenizer", str(no_sentinels), "--workers", "0", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no sentinel tokens <extra_id_0>" in err[0] and not (tmp_path / "e").exists()
