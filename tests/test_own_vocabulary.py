@@ -7,6 +7,7 @@ another vocabulary, a model.vocab_size below the tokenizer's."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -156,3 +157,70 @@ def test_refusals(pretrained, tokenizer, shards, tmp_path, spiece_path, capsys):
                        "--tokenizer", str(no_sentinels), "--workers", "0", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no sentinel tokens <extra_id_0>" in err[0] and not (tmp_path / "e").exists()
+
+
+MT5_IDS = 250_100  # mT5's tokenizer: 250000 pieces + 100 sentinels; its model has 250112 rows
+
+
+@pytest.fixture(scope="module")
+def mt5_sized_tokenizer(tmp_path_factory) -> Path:
+    """A Hugging Face tokenizer directory of mT5's size whose sentinels count down from 250099; the
+    words of the German validation text get the ids just below them, so shards need uint32."""
+    import gzip
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    with gzip.open(TEXT / "de-validation.jsonl.gz", "rt") as f:
+        words = sorted({w for line in f for w in json.loads(line)["text"].split()})
+    pieces = ["<pad>", "</s>", "<unk>"] + [f"<filler{i}>" for i in range(MT5_IDS - 100 - 3 - len(words))] + words
+    sentinels = [f"<extra_id_{k}>" for k in range(100)]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(pieces + sentinels[::-1])}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single=["$A", "</s>"], special_tokens=[("</s>", 1)])
+    out = tmp_path_factory.mktemp("mt5") / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+                            extra_special_tokens=sentinels).save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.slow
+def test_mt5_size_vocabulary_uint32_shards_sentinels_and_fused_loss(mt5_sized_tokenizer, tmp_path):
+    import torch
+
+    from training.data import PretrainBatches
+    from training.model import T5Config, T5ForConditionalGeneration
+    from training.vocabulary import run_vocabulary
+
+    out = tmp_path / "shards"
+    manifest = run_sharding(ShardConfig(input=str(TEXT / "de-validation.jsonl.gz"), output=str(out),
+                                        tokenizer=str(mt5_sized_tokenizer), input_length=64, workers=0,
+                                        progress=False))
+    assert (manifest["dtype"], manifest["tokenizer"]["vocab_size"]) == ("uint32", MT5_IDS)
+    vocab = run_vocabulary(mt5_sized_tokenizer)
+    assert (vocab.model_vocab_size, vocab.sentinel_start_id) == (250_112, 250_099)
+    batch = next(iter(PretrainBatches(out, rank=0, world_size=1, micro_batch_size=4, grad_acc=1, seed=0,
+                                      input_length=64, expected_tokenizer_sha256=vocab.tokenizer.sha256,
+                                      vocab_size=vocab.model_vocab_size, sentinel_start_id=vocab.sentinel_start_id,
+                                      num_workers=0)))
+    ids = batch["input_ids"]
+    assert int(ids.max()) == 250_099 and int(ids[(ids > 1) & (ids < 250_000)].min()) > 65_535  # sentinels, words
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config.from_preset("tiny", vocab_size=vocab.model_vocab_size))
+    fused = model(input_ids=batch["input_ids"], labels=batch["labels"], return_logits=False).loss
+    fused.backward()
+    fused_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logits = model(input_ids=batch["input_ids"], labels=batch["labels"]).logits
+    reference = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    reference.backward()
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-7)
+
+    # ZeRO 3 partitions the 250112 x 64 embedding and head: two steps of the tiny model from these shards
+    run_dir = tmp_path / "zero3"
+    run("training/pretrain.py", *TINY, "optim.total_steps=2", f"output_dir={run_dir}", f"data.dir={out}",
+        f"data.tokenizer={mt5_sized_tokenizer}", "--deepspeed_config", "ds_configs/zero3.json")
+    assert json.loads((run_dir / "model_config.json").read_text())["vocab_size"] == 250_112
+    assert [math.isfinite(r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl", "train")] == [True, True]

@@ -23,7 +23,7 @@ the epilogues of QuACK's GEMMs, needs quack-kernels and sm90+; or "default": cuB
 GELU kernels), deterministic (training/determinism.py, as the run config's `deterministic`),
 regional|wholemodel (torch.compile each T5 block, the final norms and the loss on their own, as
 ZeRO 3's `model.zero3_compile=blocks` does, or the whole step as one graph as training does at ZeRO
-0-2). Each variant prints one table row, ending with the loss of the last step and the sum of every
+0-2), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's). Each variant prints one table row, ending with the loss of the last step and the sum of every
 parameter after it (two runs of the same variant are bit-identical when both are `deterministic`);
 --json appends one JSON object per variant to a file.
 """
@@ -80,7 +80,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, opt_compiled=args.optimizer_compiled, residual_dtype=args.residual_dtype,
-        clip_in_step=True, deterministic=False, regional=False, quack_ffn=False,
+        clip_in_step=True, deterministic=False, regional=False, quack_ffn=False, vocab_size=T5Config.vocab_size,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ATTENTION_BACKENDS:
@@ -90,8 +90,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant[field] = value
         elif item.startswith("bs="):
             variant["batch_size"] = int(item[3:])
-        elif item.startswith("mode="):
-            variant["mode"] = item[5:]
+        elif item.startswith(("mode=", "vocab=")):
+            variant["mode" if item[0] == "m" else "vocab_size"] = item[5:] if item[0] == "m" else int(item[6:])
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -106,6 +106,7 @@ def variant_label(v: dict) -> str:
     notes += ["deterministic"] if v["deterministic"] else []
     notes += ["regional compile"] if v["regional"] else []
     notes += ["QuACK FFN"] if v["quack_ffn"] else []
+    notes += [f"vocab {v['vocab_size']}"] if v["vocab_size"] != T5Config.vocab_size else []
     return ", ".join([v["attention"], *notes])
 
 
@@ -130,7 +131,7 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         args.preset,
         attention_backend=variant["attention"],
         residual_dtype=variant["residual_dtype"],
-        ffn_kernel="quack" if variant["quack_ffn"] else "default",
+        ffn_kernel="quack" if variant["quack_ffn"] else "default", vocab_size=variant["vocab_size"],
     )
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config).to(device)
@@ -284,9 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cudnn.allow_tf32 = True
 
     ceiling = measure_matmul_tflops(device)
-    print(
-        f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 8192^3 matmul {ceiling:.0f} TFLOP/s"
-    )
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 8192^3 matmul {ceiling:.0f} TFLOP/s")
     print(f"# T5 {args.preset}, inputs {args.input_length}, targets {args.target_length}, bf16 autocast, "
           f"{args.optimizer} + clip, median of {args.steps} after {args.warmup} warm-up")  # fmt: skip
     print(
