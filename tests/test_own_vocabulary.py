@@ -78,6 +78,36 @@ def test_trained_tokenizer_is_t5_shaped(tokenizer):
         "huggingface", PIECES + 100, PIECES + 99, 100, 1, 0)
 
 
+def test_tokenizer_cli_options_info_and_export_of_a_directory(tokenizer, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from data_prep import tokenizer as tokenizer_cli
+    from training.model.hf_compat import _write_tokenizer
+
+    prefix = tmp_path / "few"
+    assert tokenizer_cli.main(["train", "--input", str(TEXT / "fr-validation.jsonl.gz"), "--vocab-size", "400",
+                               "--output", str(prefix), "--extra-ids", "10", "--mode-tokens", "",
+                               "--num-threads", "1"]) == 0
+    assert "(+10 sentinels = vocab_size 410)" in capsys.readouterr().out
+    assert tokenizer_cli.main(["info", f"{prefix}-hf"]) == 0
+    info = capsys.readouterr().out
+    assert "'vocab_size': 410" in info and "'sentinel_start_id': 409" in info and "'num_sentinels': 10" in info
+    assert AutoTokenizer.from_pretrained(f"{prefix}-hf").convert_ids_to_tokens(3) != "[NLU]"
+    assert tokenizer_cli.main(["info", str(tmp_path / "missing.model")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+    _write_tokenizer(Path(f"{tokenizer.with_suffix('')}-hf"), tmp_path)  # export copies a directory as it is
+    assert len(AutoTokenizer.from_pretrained(tmp_path)) == PIECES + 100
+
+
+def test_vocabulary_too_large_for_the_row_dtype():
+    from data_prep.shard_format import token_dtype
+
+    assert token_dtype(250_100).name == "uint32" and token_dtype(32_100).name == "uint16"
+    with pytest.raises(ValueError, match="does not fit the shards' largest token type"):
+        token_dtype(2**32 + 1)
+
+
 def test_shards_record_the_tokenizer(shards, tokenizer):
     manifest = json.loads((shards / "manifest.json").read_text())
     assert manifest["tokenizer"]["sha256"] == load_tokenizer(tokenizer).info.sha256
