@@ -23,9 +23,10 @@ the epilogues of QuACK's GEMMs, needs quack-kernels and sm90+; or "default": cuB
 GELU kernels), deterministic (training/determinism.py, as the run config's `deterministic`),
 regional|wholemodel (torch.compile each T5 block, the final norms and the loss on their own, as
 ZeRO 3's `model.zero3_compile=blocks` does, or the whole step as one graph as training does at ZeRO
-0-2), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's). Each variant prints one table row, ending with the loss of the last step and the sum of every
-parameter after it (two runs of the same variant are bit-identical when both are `deterministic`);
---json appends one JSON object per variant to a file.
+0-2), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's). Each variant prints one
+table row, ending with the loss of the last step and the sum of every parameter after it (two runs
+of the same variant are bit-identical when both are `deterministic`); --json appends one JSON
+object per variant to a file.
 """
 
 from __future__ import annotations
@@ -90,8 +91,10 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant[field] = value
         elif item.startswith("bs="):
             variant["batch_size"] = int(item[3:])
-        elif item.startswith(("mode=", "vocab=")):
-            variant["mode" if item[0] == "m" else "vocab_size"] = item[5:] if item[0] == "m" else int(item[6:])
+        elif item.startswith("mode="):
+            variant["mode"] = item[5:]
+        elif item.startswith("vocab="):
+            variant["vocab_size"] = int(item[6:])
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -270,9 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", default="", help="';'-separated variant specs (see module doc)")
-    parser.add_argument(
-        "--profile", default="", help="profile 3 steps; print the kernel table (and append to FILE)"
-    )
+    parser.add_argument("--profile", default="", help="profile 3 steps; print the kernel table (and append to FILE)")
     parser.add_argument("--trace", default="",
                         help="profile 3 steps and write their chrome trace to FILE (FILE.<i>.json with several variants); "
                              "tools/trace_gaps.py reads it")  # fmt: skip
@@ -298,9 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         variant = parse_variant(spec, args)
         if args.trace:  # one trace per variant: FILE, or FILE's stem numbered by variant
             path = Path(args.trace)
-            variant["trace"] = str(
-                path if len(specs) == 1 else path.with_name(f"{path.stem}.{i}{path.suffix}")
-            )
+            variant["trace"] = str(path if len(specs) == 1 else path.with_name(f"{path.stem}.{i}{path.suffix}"))
         try:
             r = run_variant(variant, args, device)
         except torch.cuda.OutOfMemoryError:
