@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out} exists and {what}: choose a new directory (nothing was written)", file=sys.stderr)
         return 2
     # Here, not at the top: --help and argument errors do not wait for torch and the model.
-    from training.checkpoint import load_run_model
+    from training.checkpoint_weights import load_run_model
     from training.model.hf_compat import DEFAULT_MAX_SHARD_SIZE, save_hf_directory
     from training.run_dir import RunDir
 

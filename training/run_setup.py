@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from data_prep.tokenizer import tokenizer_sha256
 from training.budget import Horizon
-from training.checkpoint import CheckpointManager, load_run_model
+from training.checkpoint import CheckpointManager
+from training.checkpoint_weights import load_run_model
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors
 from training.compile_settings import compile_forward
 from training.determinism import set_deterministic
