@@ -26,6 +26,7 @@ MODEL_PRESETS = ("tiny", "small", "base", "large", "xl", "xxl")
 ATTENTION_BACKENDS = ("auto", "math", "sdpa", "triton")
 RESIDUAL_DTYPES = ("float32", "autocast")
 FFN_KERNELS = ("default", "quack")
+ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
 ZERO3_COMPILE_MODES = ("blocks", "pointwise")  # training.zero3_compile
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile
 DEVICES = ("auto", "cuda", "cpu")
@@ -75,6 +76,11 @@ class ModelConfig:
     steps and 3.9 GiB less at T5-base batch 128 on an H100, after 2-3 minutes of autotuning on the
     first step; over a 600-step schedule with three seeds its held-out loss matches the default's
     within 0.01. That gain is under ZeRO 0; under ZeRO 2 none is measurable)."""
+    activation_checkpointing: str = "none"
+    """What a training step keeps for its backward: none (everything: the fastest) | block (each
+    block's inputs only; its forward runs again in the backward: for the largest models and the
+    longest inputs) | selective (the GEMM and attention outputs; the element-wise ops run again).
+    training/model/activation_checkpointing.py."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
@@ -99,6 +105,7 @@ class ModelConfig:
         _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("model.residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         _check_choice("model.ffn_kernel", self.ffn_kernel, FFN_KERNELS)
+        _check_choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         _check_choice("model.zero3_compile", self.zero3_compile, ZERO3_COMPILE_MODES)
         _check_choice("model.compile_mode", self.compile_mode, COMPILE_MODES)
         _check(

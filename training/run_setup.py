@@ -53,7 +53,8 @@ def build_model(model_section, device: torch.device, init: str | None = None):
     `init` picks the starting weights: None or "random" gives a fresh `model_section.preset`; a
     directory holding model_config.json is one of our runs (its newest complete checkpoint); any
     other path is a Hugging Face T5 directory or a nanoT5 state dict (shaped as the preset).
-    Dropout, the attention backend, the residual dtype and the FFN kernel always come from
+    Dropout, the attention backend, the residual dtype, the FFN kernel and activation checkpointing
+    always come from
     `model_section`.
     """
     overrides = {
@@ -61,6 +62,7 @@ def build_model(model_section, device: torch.device, init: str | None = None):
         "attention_backend": model_section.attention_backend,
         "residual_dtype": model_section.residual_dtype,
         "ffn_kernel": model_section.ffn_kernel,
+        "activation_checkpointing": model_section.activation_checkpointing,
     }
     if model_section.ffn_kernel == "quack":
         quack_ffn.load()  # here, so that a run asking for it on a machine that lacks it stops at once
