@@ -116,7 +116,7 @@ class Source:
     weight: float = 1.0
     """Share of the training samples, relative to the other sources' weights (> 0)."""
     name: str | None = None
-    """Name in logs and metrics (eval_loss_by_source); null = the directory's last component."""
+    """Name in logs and metrics (eval_loss/<name>); null = the directory's last component."""
 
 
 @dataclass

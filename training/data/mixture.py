@@ -43,8 +43,8 @@ from training.cli_errors import ExpectedError
 from training.data.permutation import EpochPermutation
 from training.data.row_store import RowStore
 
-# One period is two int64 tables of this many entries; weights with many decimals need long periods.
-MAX_PERIOD = 1_000_000
+# A period is laid out once, in two int64 tables of up to this many entries (1.6 MB, under a second to build).
+MAX_PERIOD = 100_000
 
 
 class MixtureError(ExpectedError, ValueError):

@@ -3,8 +3,9 @@
 Sample line. The split's rows are visited epoch by epoch; epoch e is a random permutation of all
 N rows seeded by (seed, e) (`EpochPermutation`). Concatenating the epochs gives one infinite line
 of samples; global sample index g = e * N + p is position p of epoch e, and it holds row
-perm_e(p). The noise of sample g is keyed by (seed, g): the same sample gets the same corruption
-on any rank, worker or restart, and a row gets fresh noise each epoch.
+perm_e(p); a mixture of corpora splits this line between them (training/data/mixture.py). The
+noise of sample g is keyed by (seed, g): the same sample gets the same corruption on any rank,
+worker or restart, and a row gets fresh noise each epoch.
 
 Global batches. The cursor `samples_consumed` = c is a position on that line. The global batch at
 c (size G = micro_batch_size * grad_acc * world_size) is the samples [c, c + G); a batch that
@@ -245,8 +246,9 @@ class PretrainBatches:
     Each item is {"input_ids": int64[micro_batch_size, input_length], "labels": int64[micro_batch_size,
     targets_length]} (labels are -100 only where padded, which never happens at the standard lengths),
     plus "sample_index" and "row_index" (int64[micro_batch_size]) when include_indices=True, and for a
-    mixture of corpora (training/data/mixture.py) "source_index", the corpus of each row. Every grad_acc consecutive items
-    make this rank's share of one optimizer step. `data_dir` is one directory or a mixture's corpora.
+    mixture of corpora (training/data/mixture.py) "source_index", the corpus of each row. Every
+    grad_acc consecutive items make this rank's share of one optimizer step. `data_dir` is one
+    directory or the corpora of a mixture.
     """
 
     def __init__(
