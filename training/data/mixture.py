@@ -63,15 +63,15 @@ class WeightedCorpus:
 def integer_weights(weights: Sequence[float]) -> tuple[int, ...]:
     """The smallest positive integers in the ratios of `weights` (decimal values taken as written)."""
     if not weights or any(not (w > 0 and math.isfinite(w)) for w in weights):
-        raise ValueError(f"mixture weights {list(weights)} must all be finite and > 0")
+        raise MixtureError(f"data.sources: the weights {list(weights)} must all be finite and > 0")
     exact = [Fraction(str(w)) for w in weights]  # str: 0.7 is 7/10, not the nearest binary fraction
     scale = math.lcm(*(f.denominator for f in exact))
     ints = [int(f * scale) for f in exact]
     common = math.gcd(*ints)
     ints = [i // common for i in ints]
     if sum(ints) > MAX_PERIOD:
-        raise ValueError(
-            f"mixture weights {list(weights)} repeat only every {sum(ints)} samples (at most {MAX_PERIOD}): "
+        raise MixtureError(
+            f"data.sources: the weights {list(weights)} repeat only every {sum(ints)} samples (at most {MAX_PERIOD}): "
             "round them to fewer decimals, e.g. integers or percentages"
         )
     return tuple(ints)
