@@ -115,9 +115,25 @@ class ModelConfig:
 
 
 @dataclass
+class Source:
+    """One corpus of a mixture (`data.sources`)."""
+
+    dir: str = ""
+    """Directory written by `python -m data_prep.shard`."""
+    weight: float = 1.0
+    """Share of the training samples, relative to the other sources' weights (> 0)."""
+    name: str | None = None
+    """Name in logs and metrics (eval_loss/<name>); null = the directory's last component."""
+
+
+@dataclass
 class DataConfig:
-    dir: str = "data/c4_shards"
-    """Directory written by `python -m data_prep.shard` (manifest.json, train/, validation/)."""
+    dir: str | None = "data/c4_shards"
+    """Directory written by `python -m data_prep.shard` (manifest.json, train/, validation/); null
+    when `sources` names the corpora."""
+    sources: tuple[Source, ...] = ()
+    """A weighted mixture of corpora instead of `dir`, e.g. [{dir: a, weight: 3}, {dir: b, weight: 1}]:
+    same tokenizer and row length; the interleave and its resume are in training/data/mixture.py."""
     tokenizer: str = "assets/t5/spiece.model"
     """SentencePiece model; its sha256 must match the one recorded in the shard manifest."""
     input_length: int = 512
@@ -130,7 +146,17 @@ class DataConfig:
     """DataLoader worker processes per rank (0 = load in the training process)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.dir), "data.dir must name the shard directory written by data_prep.shard")
+        _check(
+            not (self.dir and self.sources),
+            "data.dir and data.sources are both set: drop one (data.dir=null to train on the sources)",
+        )
+        _check(
+            bool(self.dir) or bool(self.sources),
+            "data.dir must name the shard directory written by data_prep.shard (or data.sources a mixture)",
+        )
+        self.sources = tuple(_named_source(s, k) for k, s in enumerate(self.sources))
+        names = [s.name for s in self.sources]
+        _check(len(set(names)) == len(names), f"data.sources have the same name twice ({names}): give each a name")
         _check(bool(self.tokenizer), "data.tokenizer must name a SentencePiece .model file")
         _check(self.input_length >= 8, f"data.input_length={self.input_length} must be >= 8 tokens")
         _check(
@@ -142,6 +168,16 @@ class DataConfig:
             f"data.mean_noise_span_length={self.mean_noise_span_length} must be >= 1; T5 uses 3.0",
         )
         _check(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
+
+
+def _named_source(source: Source, k: int) -> Source:
+    _check(bool(source.dir), f"data.sources[{k}].dir must name a directory written by data_prep.shard")
+    _check(
+        source.weight > 0 and source.weight != float("inf"),
+        f"data.sources[{k}].weight={source.weight} must be a number > 0 (a share relative to the others)",
+    )
+    name = source.name or source.dir.rstrip("/").rsplit("/", 1)[-1]
+    return dataclasses.replace(source, name=name)
 
 
 @dataclass

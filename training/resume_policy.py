@@ -51,6 +51,7 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "model.compile_mode": (APPLIES, "how the same model is run"),
     "model.zero3_compile": (APPLIES, "how the same model is run"),
     "data.dir": (APPLIES, "a moved copy of the same dataset (the loader refuses one of another size)"),
+    "data.sources": (APPLIES, "moved copies of the same corpora (the loader refuses other sizes or weights)"),
     "data.tokenizer": (APPLIES, "a moved copy of the same tokenizer (its hash is checked against the data)"),
     "data.input_length": (REFUSED, "the objective and the row length of the shards the cursor counts in"),
     "data.noise_density": (REFUSED, "the objective the run trains"),
