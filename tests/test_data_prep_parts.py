@@ -150,3 +150,24 @@ def test_part_flag_refusals(tmp_path: Path, corpus: str, capsys):
     msg = refused(capsys, shard_main, ["--input", str(hf_dir), "--output", str(tmp_path / "b"), "--part", "1/2",
                                        "--hf-validation-split", "none", *OPTS])
     assert "Hugging Face dataset" in msg
+
+
+def test_slurm_array_script_shards_parts_then_joins(tmp_path: Path, corpus: str, one_run: Path, repo_root: Path):
+    """slurm/shard_array.sbatch as SLURM runs it: array tasks 1..3 of 3, then the same script without
+    an array task id joins (run by bash with SLURM's variables: no cluster needed)."""
+    out = tmp_path / "ds"
+    env = dict(os.environ, PYTHONPATH=str(repo_root), SLURM_JOB_ID="7", SLURM_SUBMIT_DIR=str(repo_root),
+               INPUT=corpus, OUTPUT=str(out), SHARD_ARGS=" ".join(["--workers", "0", *OPTS]))
+    script = ["bash", str(repo_root / "slurm/shard_array.sbatch")]
+    array = {"SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_MAX": "3"}
+    gap = subprocess.run(script, env={**env, **array, "SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "0"},
+                         capture_output=True, text=True)
+    assert gap.returncode == 2 and "--array=1-N" in gap.stderr and not out.exists()
+    for k in (1, 2, 3):
+        task = subprocess.run(script, env={**env, **array, "SLURM_ARRAY_TASK_ID": str(k)}, capture_output=True, text=True)
+        assert task.returncode == 0, task.stderr
+    join = subprocess.run(script, env=env, capture_output=True, text=True)
+    assert join.returncode == 0, join.stderr
+    joined, single = files(out), files(one_run)
+    joined.pop("run"), single.pop("run")
+    assert joined == single
