@@ -222,24 +222,20 @@ def iter_line_blocks(
     and at most `max_lines` lines each; lines before `start` are skipped. The records are those of
     `_iter_lines` (a broken gzip stream ends the unit with the same error record), but the reading
     process never touches a line: it counts newlines, so one reader keeps many encoders busy."""
-    index, pieces, size, lines = 0, [], 0, 0
+    index, pieces, size = 0, [], 0
     try:
         for data in _iter_raw_blocks(path):
             pieces.append(data)
             size += len(data)
-            lines += data.count(b"\n")
-            if size < max_bytes and lines < max_lines:
+            if size < max_bytes:
                 continue
-            rest = b"".join(pieces)
-            while True:
+            rest, count = b"".join(pieces), max_lines
+            while count == max_lines:  # fewer lines cut: the rest holds no newline
                 block, count, rest = _cut_lines(rest, max_lines)
-                if count == 0:
-                    break
-                yield from _skip_to(start, index, count, block)
-                index += count
-                if len(rest) < max_bytes and rest.count(b"\n") < max_lines:
-                    break
-            pieces, size, lines = [rest], len(rest), rest.count(b"\n")
+                if count:
+                    yield from _skip_to(start, index, count, block)
+                    index += count
+            pieces, size = [rest], len(rest)
         rest = b"".join(pieces)
         if rest and not rest.endswith(b"\n"):
             rest += b"\n"  # the last line of a file without a final newline is a record too
