@@ -87,6 +87,21 @@ def test_three_parts_joined_equal_one_run(tmp_path: Path, corpus: str, one_run: 
     assert snapshot(out) == before
 
 
+def test_parts_without_files_join_too(tmp_path: Path, c4_train_path: Path):
+    """The bundled sample as it is (one train, one validation file) in 3 parts: two parts get no files."""
+    corpus = str(c4_train_path.parent / "c4-*.json.gz")
+    out = tmp_path / "ds"
+    for k in (1, 2, 3):
+        assert shard_part(corpus, out, k) == 0
+    assert json.loads((out / "part-1-of-3/manifest.json").read_text())["splits"]["train"]["shards"] == []
+    assert join_main([str(out)]) == 0
+    single = tmp_path / "one"
+    assert shard_main(["--input", corpus, "--output", str(single), "--workers", "0", *OPTS]) == 0
+    joined, expected = files(out), files(single)
+    joined.pop("run"), expected.pop("run")
+    assert joined == expected
+
+
 def test_join_refuses_missing_unfinished_and_mismatched_parts(tmp_path: Path, corpus: str, repo_root: Path, capsys):
     out = tmp_path / "ds"
     assert "no part directories" in refused(capsys, join_main, [str(out)])
