@@ -86,10 +86,10 @@ def find_parts(out: Path) -> list[tuple[Path, dict]]:
         units = [m["part"]["units"][split] for _, m in result]
         expected = [0] + [u["end"] for u in units[:-1]]
         if [u["first"] for u in units] != expected or units[-1]["end"] != units[0]["total"] or any(
-                u["total"] != units[0]["total"] for u in units):
-            raise JoinError(f"the parts in {out} do not cover the {split} files once each, in order "
-                            f"({[(u['first'], u['end'], u['total']) for u in units]}): they were sharded from "
-                            "different inputs; shard every part from the same --input")
+                (u["total"], u["files_sha256"]) != (units[0]["total"], units[0]["files_sha256"]) for u in units):
+            raise JoinError(f"the parts in {out} were sharded from different {split} file lists (files "
+                            f"{[(u['first'], u['end'], u['total']) for u in units]} of each part's list): shard every "
+                            "part from the same --input (the same files, paths and sizes)")
     return result
 
 

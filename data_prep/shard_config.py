@@ -3,6 +3,8 @@ input files one node shards when the corpus is split over several (`--part K/N`)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -157,7 +159,7 @@ def resolve_split_sources(cfg: ShardConfig) -> dict[str, Source | None]:
 
 def select_part(sources: dict[str, Source | None], index: int, count: int) -> tuple[dict, dict]:
     """Each split's files restricted to part `index` of `count`; returns (sources, {split: units})
-    where units = {"first", "end", "total"} says which of the split's files the part holds."""
+    where units = {"first", "end", "total", "files_sha256"} says which of the split's files the part holds."""
     selected, units = {}, {}
     for split, source in sources.items():
         if source is None:
@@ -170,5 +172,7 @@ def select_part(sources: dict[str, Source | None], index: int, count: int) -> tu
             )
         first, end = part_range(source.num_units, index, count)
         selected[split] = replace(source, files=source.files[first:end])
-        units[split] = {"first": first, "end": end, "total": source.num_units}
+        # every part records which whole list it took its range from, so that a join can tell
+        listed = hashlib.sha256(json.dumps(source.describe()["files"]).encode()).hexdigest()
+        units[split] = {"first": first, "end": end, "total": source.num_units, "files_sha256": listed}
     return selected, units

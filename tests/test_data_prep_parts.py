@@ -127,6 +127,15 @@ def test_join_refuses_missing_unfinished_and_mismatched_parts(tmp_path: Path, co
     assert "other settings" in (msg := refused(capsys, join_main, [str(out)])) and "row_length" in msg
     shutil.rmtree(out / "part-2-of-3")
 
+    # Part 2 from another file list with as many files (one of them shorter).
+    other = tmp_path / "other"
+    shutil.copytree(Path(corpus).parent, other)
+    first = sorted(other.glob("c4-train.*"))[0]
+    first.write_bytes(gzip.compress(gzip.decompress(first.read_bytes())[:5000].rsplit(b"\n", 1)[0] + b"\n"))
+    assert shard_part(str(other / "c4-*.json.gz"), out, 2) == 0
+    assert "different train file lists" in refused(capsys, join_main, [str(out)])
+    shutil.rmtree(out / "part-2-of-3")
+
     # Parts of another N beside them.
     assert shard_part(corpus, out, 1, 2) == 0
     assert "parts of 2 and of 3 parts" in refused(capsys, join_main, [str(out)])
