@@ -2,7 +2,7 @@
 
     python -m data_prep.benchmark                       # bundled C4 sample, 1 and 2 workers
     python -m data_prep.benchmark --input 'data/wiki/*.jsonl.gz' --workers 1,2,4,8
-    python -m data_prep.benchmark --workers 1,2,4,8,15 --copies 60 --per-worker --repeats 1
+    python -m data_prep.benchmark --workers 1,2,4,8,15 --copies 80 --per-worker --repeats 1
 
 Raw rate: `sp.encode(list_of_texts, num_threads=1)` over all documents (one thread, text already in
 memory). Sharding rate: wall time of `run_sharding` (pool start, reading + gunzip, JSON parsing,
