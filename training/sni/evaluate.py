@@ -104,6 +104,12 @@ def decode_generated(row: Sequence[int], tokenizer: SNITokenizer) -> str:
     return tokenizer.decode(ids).strip()
 
 
+def generated_length(row: Sequence[int]) -> int:
+    """Tokens one generated row (decoder start first) holds up to its first EOS, EOS included."""
+    ids = [int(t) for t in row[1:]]
+    return ids.index(EOS_ID) + 1 if EOS_ID in ids else len(ids)
+
+
 def _model_device(model) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -111,7 +117,7 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def _beam_settings(num_beams: int, length_penalty: float) -> dict:
+def beam_settings(num_beams: int, length_penalty: float) -> dict:
     """The beam-search arguments of `generate`: none for greedy decoding (num_beams 1), so that a
     model whose generate lacks them still evaluates greedily."""
     return {"num_beams": num_beams, "length_penalty": length_penalty} if num_beams > 1 else {}
@@ -129,14 +135,15 @@ def generate_predictions(
     device: torch.device | None = None,
     num_beams: int = 1,
     length_penalty: float = 1.0,
+    counts: dict[str, int] | None = None,
 ) -> dict[str, str]:
     """Predictions (id -> text) for this rank's share of `examples`: greedy, or beam search with
-    `num_beams` > 1.
+    `num_beams` > 1. `counts`, when given, gets "generated_tokens" (up to each row's EOS) added.
 
     `model.generate(input_ids, attention_mask=..., max_new_tokens=...)` must return a LongTensor
     whose rows start with the decoder start token (our T5 and HF's do); with num_beams > 1 it is also
     given `num_beams=` and `length_penalty=` (both models take them)."""
-    beam_args = _beam_settings(num_beams, length_penalty)
+    beam_args = beam_settings(num_beams, length_penalty)
     device = device or _model_device(model)
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -155,6 +162,8 @@ def generate_predictions(
             )
             for example, row in zip(batch_examples, out.tolist()):
                 predictions[example.id] = decode_generated(row, tokenizer)
+                if counts is not None:
+                    counts["generated_tokens"] = counts.get("generated_tokens", 0) + generated_length(row)
     finally:
         if was_training and hasattr(model, "train"):
             model.train()
@@ -178,7 +187,7 @@ def gather_predictions(local: dict[str, str], world_size: int = 1, group=None) -
     return merged
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
@@ -204,8 +213,8 @@ def write_outputs(
                 ensure_ascii=False,
             )
         )
-    _write_atomic(out / "predictions.jsonl", "\n".join(lines) + "\n")
-    _write_atomic(out / "metrics.json", json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
+    write_atomic(out / "predictions.jsonl", "\n".join(lines) + "\n")
+    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
 
 
 def evaluate_sni(
@@ -249,7 +258,7 @@ def evaluate_sni(
         metrics = sni_metrics(predictions, eval_set.expected, absent_from_data=absent)
         metrics["eval_seconds"] = round(time.time() - start, 2)
         metrics["decoding"] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams,
-                               **_beam_settings(num_beams, length_penalty)}  # fmt: skip
+                               **beam_settings(num_beams, length_penalty)}  # fmt: skip
         if out_dir is not None:
             write_outputs(out_dir, eval_set, predictions, metrics)
         logger.info(
