@@ -43,7 +43,8 @@ class BestSelection:
         return asdict(self)
 
     def load_state_dict(self, state: dict | None) -> None:
-        """Restore the progress of a checkpoint's selection (its settings stay this run's)."""
-        if state:
+        """Restore the progress of a checkpoint's selection on the same metric and mode (another
+        metric or mode starts the selection over; patience is this run's)."""
+        if state and (state["metric"], state["mode"]) == (self.metric, self.mode):
             self.best, self.best_step, self.best_record = state["best"], state["best_step"], state["best_record"]
             self.evals_without_improvement, self.finished = state["evals_without_improvement"], state["finished"]
