@@ -51,7 +51,8 @@ class SNIFinetuneTask:
                               max_new_tokens=e.max_new_tokens, device=device,
                               num_beams=e.num_beams, length_penalty=e.length_penalty)
         record = {"step": step, "rougeL": result["rougeL"], "exact_match": result["exact_match"],
-                  "n_instances": result["n_instances"], "eval_seconds": result.get("eval_seconds")}
+                  "n_instances": result["n_instances"], "eval_seconds": result.get("eval_seconds"),
+                  "generated_tokens": result.get("generated_tokens")}
         record.update({f"rougeL/{cat}": v["rougeL"] for cat, v in result["per_category"].items()})
         logger.info("[eval] Step %d | Rouge-L --> %.2f | Exact match --> %.2f | Instances --> %d", step,
                     result["rougeL"], result["exact_match"], result["n_instances"])

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from training.distributed import all_reduce_sum
 from training.metrics import progress
 from training.sni.encoding import EOS_ID, EncodedExample, SNITokenizer, TemplateConfig, collate, encode_tasks
 from training.sni.rouge import Reference, sni_metrics
@@ -232,9 +233,11 @@ def evaluate_sni(
     length_penalty: float = 1.0,
 ) -> dict:
     """Generate, gather, score; rank 0 writes out_dir (if given). Every rank must call it and gets
-    the same metrics dict (see `rouge.sni_metrics`) plus "eval_seconds" and "decoding" (the
+    the same metrics dict (see `rouge.sni_metrics`) plus "eval_seconds", "generated_tokens" (all
+    ranks', each row up to its EOS) and "decoding" (the
     generation settings, so that greedy and beam-search results on disk say which they are)."""
     start = time.time()
+    counts: dict[str, int] = {}
     local = generate_predictions(
         model,
         eval_set.examples,
@@ -246,8 +249,10 @@ def evaluate_sni(
         device,
         num_beams=num_beams,
         length_penalty=length_penalty,
+        counts=counts,
     )
     predictions = gather_predictions(local, world_size, group)
+    generated = all_reduce_sum([float(counts.get("generated_tokens", 0))], device or _model_device(model))[0]
     lost = [ex.id for ex in eval_set.examples if ex.id not in predictions]
     if lost:
         raise RuntimeError(f"{len(lost)} instances got no prediction after gathering, e.g. {lost[:3]}")
@@ -257,6 +262,7 @@ def evaluate_sni(
         absent = [r.id for r in eval_set.expected if r.id not in eval_set.references]
         metrics = sni_metrics(predictions, eval_set.expected, absent_from_data=absent)
         metrics["eval_seconds"] = round(time.time() - start, 2)
+        metrics["generated_tokens"] = int(generated)
         metrics["decoding"] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams,
                                **beam_settings(num_beams, length_penalty)}  # fmt: skip
         if out_dir is not None:
