@@ -188,34 +188,27 @@ def gather_predictions(local: dict[str, str], world_size: int = 1, group=None) -
     return merged
 
 
-def write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_eval_files(out_dir: str | os.PathLike, rows: Sequence[dict], metrics: dict) -> None:
+    """predictions.jsonl (one row a line) and metrics.json of an evaluation, each written atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    _write_atomic(out / "metrics.json", json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
 
 
 def write_outputs(
     out_dir: str | os.PathLike, eval_set: EvalSet, predictions: dict[str, str], metrics: dict
 ) -> None:
     """predictions.jsonl ({"id", "task", "prediction", "references"}, in eval-set order) and metrics.json."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for ex in eval_set.examples:
-        ref = eval_set.references[ex.id]
-        lines.append(
-            json.dumps(
-                {
-                    "id": ex.id,
-                    "task": ex.task,
-                    "prediction": predictions[ex.id],
-                    "references": list(ref.references),
-                },
-                ensure_ascii=False,
-            )
-        )
-    write_atomic(out / "predictions.jsonl", "\n".join(lines) + "\n")
-    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
+    rows = [{"id": ex.id, "task": ex.task, "prediction": predictions[ex.id],
+             "references": list(eval_set.references[ex.id].references)} for ex in eval_set.examples]
+    write_eval_files(out_dir, rows, metrics)
 
 
 def evaluate_sni(

@@ -7,19 +7,17 @@ per-example scores) and `metrics.json`; every rank returns the same metrics dict
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from training.distributed import all_reduce_sum
 from training.sni.encoding import SNITokenizer
-from training.sni.evaluate import beam_settings, gather_predictions, generate_predictions, write_atomic
+from training.sni.evaluate import beam_settings, gather_predictions, generate_predictions, write_eval_files
 from training.text2text.data import Text2TextSplit
 from training.text2text.metrics import score_examples
 
@@ -38,13 +36,9 @@ def generation_length(split: Text2TextSplit, max_target_length: int) -> int:
 
 def write_outputs(out_dir: str | os.PathLike, split: Text2TextSplit, predictions: dict[str, str],
                   scores: dict[str, dict[str, float]], metrics: dict) -> None:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"id": ex.id, "input": split.inputs[ex.id], "prediction": predictions[ex.id],
-                         "references": list(split.references[ex.id]), "scores": scores[ex.id]},
-                        ensure_ascii=False) for ex in split.examples]
-    write_atomic(out / "predictions.jsonl", "\n".join(lines) + "\n")
-    write_atomic(out / "metrics.json", json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
+    rows = [{"id": ex.id, "input": split.inputs[ex.id], "prediction": predictions[ex.id],
+             "references": list(split.references[ex.id]), "scores": scores[ex.id]} for ex in split.examples]
+    write_eval_files(out_dir, rows, metrics)
 
 
 def evaluate_text2text(
