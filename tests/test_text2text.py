@@ -207,3 +207,15 @@ def test_best_selection_counts_patience_and_round_trips():
     again.load_state_dict(sel.state_dict())
     assert (again.best, again.best_step, again.best_record, again.should_stop) == (2.0, 30, {"loss": 2.0}, True)
     assert not BestSelection().active and not BestSelection("accuracy").should_stop
+
+
+def test_glue_command_refuses_unknown_tasks_and_missing_directories():
+    from training.cli_errors import ExpectedError
+    from training.glue import known_tasks, parse_tasks
+
+    assert known_tasks() == ["boolq", "cola", "mrpc", "rte", "sst2"]
+    assert parse_tasks(f"rte={RTE}, sst2={RTE.parent / 'sst2'}") == {"rte": RTE, "sst2": RTE.parent / "sst2"}
+    for text, message in (("mnli=/x", "unknown task 'mnli'; the recipe has boolq, cola"),
+                          ("rte=/no/such", "no such directory"), ("rte", "write TASK=DIR"), (" ,", "names no task")):
+        with pytest.raises(ExpectedError, match=message):
+            parse_tasks(text)

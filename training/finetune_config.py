@@ -145,7 +145,7 @@ def _nanot5_finetune_optim() -> OptimConfig:
 @dataclass
 class FinetuneConfig:
     output_dir: str = "runs/sni"
-    """The run directory (checkpoints, metrics.jsonl, sni_eval/)."""
+    """The run directory (checkpoints, metrics.jsonl, sni_eval/ or eval/)."""
     seed: int = 2137
     """Seeds initialisation, task shuffles, label choice and batch order."""
     deterministic: bool = False
