@@ -147,6 +147,7 @@ def test_task_config_refusals():
     for overrides, message in ((["task.metrics=[accuracy, bleu4]"], "unknown metric 'bleu4'"),
                                (["eval.best_metric=f1"], r"eval.best_metric='f1' must be one of task.metrics \['accuracy'\]"),
                                (["task.input="], "task.input must be a template"),
+                               (["task.input={premise"], "task.input='{premise' is not a format template"),
                                (["eval.best_metric=null", "eval.patience=3"], "eval.patience needs eval.best_metric")):
         with pytest.raises(ConfigError, match=message):
             load_run_config(rte, overrides, root=FinetuneConfig)

@@ -10,6 +10,7 @@ Loaded with the same YAML + `key=value` machinery as pre-training (training/conf
 from __future__ import annotations
 
 import dataclasses
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,12 @@ class TaskConfig:
             return
         _check(bool(self.input.strip()), 'task.input must be a template over the row fields, e.g. "{sentence}"')
         _check(bool(self.target.strip()), 'task.target must be a template over the row fields, e.g. "{label}"')
+        for key, template in (("task.input", self.input), ("task.target", self.target)):
+            try:
+                list(string.Formatter().parse(template))
+            except ValueError as exc:
+                raise ConfigError(f"{key}={template!r} is not a format template ({exc}): write fields as "
+                                  "{name}, literal braces as {{ and }}") from None
         try:
             check_metric_names(self.metrics)
         except ValueError as exc:

@@ -118,7 +118,7 @@ def _value(row: Mapping[str, Any], name: str) -> Any:
 def _fill(template: str, row: Mapping[str, Any], what: str, where: str) -> str:
     try:
         return template.format_map(row)
-    except (KeyError, IndexError) as exc:
+    except (KeyError, IndexError, AttributeError) as exc:
         raise ValueError(f"{where}: {what} template {template!r} names {exc}, which the row lacks "
                          f"(its fields: {sorted(row)})") from None
 
@@ -138,7 +138,7 @@ def row_texts(row: Mapping[str, Any], fmt: TextFormat, where: str) -> tuple[str,
     if one_field:
         try:
             value = _value(row, one_field.group(1))
-        except (KeyError, IndexError):
+        except (KeyError, IndexError, AttributeError):
             value = None
     if isinstance(value, (list, tuple)):
         references = tuple(str(v) for v in value)
