@@ -32,6 +32,7 @@ COMMANDS = {
     "t5ds-convert-checkpoint": "training.checkpoint_universal:cli",
     "t5ds-export": "training.export:cli",
     "t5ds-evaluate-sni": "training.evaluate_sni:cli",
+    "t5ds-glue": "training.glue:cli",
     "t5ds-plot": "training.plot_metrics:cli",
 }
 

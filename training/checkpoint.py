@@ -159,6 +159,7 @@ class CheckpointManager:
         self.run_config = run_config
         self.threads = threads
         self.damaged: dict[str, str] = {}  # checkpoint name -> what is wrong, as found by find_resumable
+        self.protected: set[str] = set()  # checkpoint names rotation keeps (fine-tuning's best one)
         self._verified: set[Path] = set()
 
     # -------------------------------------------------------------------------------------------
@@ -333,7 +334,7 @@ class CheckpointManager:
         excess = complete[: max(0, len(complete) - self.keep_last)]
         guard = self._newest_before_nonfinite(complete)
         for path in excess:
-            if path == keep:
+            if path == keep or path.name in self.protected:
                 continue
             if path == guard:
                 logger.info("keeping %s beyond checkpoint.keep_last=%d: it is the newest checkpoint written before "
