@@ -140,11 +140,23 @@ _PREFETCH_BLOCKS = 32  # decompressed blocks (~200 KB each) a reader thread may 
 
 
 def _iter_gzip_lines(path: str) -> Iterator[bytes]:
-    """Lines (without the newline) of a gzip file, inflated by a background thread.
+    """Lines (without the newline) of a gzip file. Every complete line decompressed before a break
+    is yielded before the error is re-raised (unlike a GzipFile behind a buffer, which loses them)."""
+    rest = b""
+    for data in _iter_gzip_blocks(path):
+        lines = (rest + data).split(b"\n")
+        rest = lines.pop()
+        yield from lines
+    if rest:
+        yield rest
+
+
+def _iter_gzip_blocks(path: str) -> Iterator[bytes]:
+    """Decompressed blocks of a gzip file, inflated by a background thread; a break is raised after
+    the blocks before it.
 
     zlib releases the GIL while inflating, so the thread overlaps gunzip (most of the main process's
-    work) with the main process's Python work. Every complete line decompressed before a break is
-    yielded before the error is re-raised here (unlike a GzipFile behind a buffer, which loses them).
+    work) with the main process's Python work.
     """
     blocks: queue.Queue = queue.Queue(maxsize=_PREFETCH_BLOCKS)
     stop = threading.Event()
@@ -169,18 +181,92 @@ def _iter_gzip_lines(path: str) -> Iterator[bytes]:
 
     reader = threading.Thread(target=produce, name=f"gunzip {path}", daemon=True)
     reader.start()
-    rest = b""
     try:
         while (item := blocks.get()) is not _END:
             if isinstance(item, BaseException):
                 raise item
-            lines = (rest + item).split(b"\n")
-            rest = lines.pop()
-            yield from lines
-        if rest:
-            yield rest
+            yield item
     finally:
         stop.set()  # a consumer that stops early (strict error, resume skip) releases the reader
+
+
+def _iter_raw_blocks(path: str) -> Iterator[bytes]:
+    """Decompressed bytes of a file in blocks (gzip inflated by a background thread, as above)."""
+    if path.lower().endswith(".gz"):
+        yield from _iter_gzip_blocks(path)
+    else:
+        with open(path, "rb") as f:
+            while data := f.read(1 << 20):
+                yield data
+
+
+def _cut_lines(buf: bytes, max_lines: int) -> tuple[bytes, int, bytes]:
+    """(the first whole lines of `buf`, at most `max_lines`, joined without their last newline;
+    how many; the bytes after them)."""
+    end = buf.rfind(b"\n")
+    if end < 0:
+        return b"", 0, buf
+    count = buf.count(b"\n", 0, end + 1)
+    if count > max_lines:
+        end, count = -1, max_lines
+        for _ in range(max_lines):
+            end = buf.find(b"\n", end + 1)
+    return buf[:end], count, buf[end + 1 :]
+
+
+def iter_line_blocks(
+    path: str, start: int, max_bytes: int, max_lines: int
+) -> Iterator[tuple[int, int, bytes] | Record]:
+    """The records of a line-per-document file as blocks of whole lines, for workers to split:
+    (index of the first line, number of lines, the lines joined by b"\\n"), up to about `max_bytes`
+    and at most `max_lines` lines each; lines before `start` are skipped. The records are those of
+    `_iter_lines` (a broken gzip stream ends the unit with the same error record), but the reading
+    process never touches a line: it counts newlines, so one reader keeps many encoders busy."""
+    index, pieces, size = 0, [], 0
+    try:
+        for data in _iter_raw_blocks(path):
+            pieces.append(data)
+            size += len(data)
+            if size < max_bytes:
+                continue
+            rest, count = b"".join(pieces), max_lines
+            while count == max_lines:  # fewer lines cut: the rest holds no newline
+                block, count, rest = _cut_lines(rest, max_lines)
+                if count:
+                    yield from _skip_to(start, index, count, block)
+                    index += count
+            pieces, size = [rest], len(rest)
+        rest = b"".join(pieces)
+        if rest and not rest.endswith(b"\n"):
+            rest += b"\n"  # the last line of a file without a final newline is a record too
+        while rest:
+            block, count, rest = _cut_lines(rest, max_lines)
+            yield from _skip_to(start, index, count, block)
+            index += count
+    except _GZIP_ERRORS as exc:
+        rest = b"".join(pieces)
+        while True:  # the complete lines decompressed before the break, as _iter_lines gives them
+            block, count, rest = _cut_lines(rest, max_lines)
+            if count == 0:
+                break
+            yield from _skip_to(start, index, count, block)
+            index += count
+        if index >= start:
+            detail = f"stream broke after {index} complete lines ({type(exc).__name__}: {exc}){_crc_note(exc)}"
+            yield Record(index=index, line=index + 1, payload=None, error=(CORRUPT_GZIP, detail))
+
+
+def _skip_to(start: int, index: int, count: int, block: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """The block's lines from record `start` on (resume), as (first index, count, lines)."""
+    if index + count <= start:
+        return
+    if index < start:
+        skip = start - index
+        cut = -1
+        for _ in range(skip):
+            cut = block.find(b"\n", cut + 1)
+        block, index, count = block[cut + 1 :], start, count - skip
+    yield index, count, block
 
 
 def _iter_raw_lines(path: str) -> Iterator[bytes]:

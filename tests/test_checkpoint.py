@@ -25,10 +25,9 @@ from training.checkpoint import (
     CheckpointDiskFullError,
     CheckpointError,
     CheckpointManager,
-    checkpoint_state_dict,
-    newest_checkpoint,
 )
 from training.checkpoint_universal import convert_to_universal
+from training.checkpoint_weights import checkpoint_state_dict, newest_checkpoint
 from training.config_loader import load_run_config
 from training.distributed import shutdown_distributed
 from training.ds_config import resolve_ds_config

@@ -36,10 +36,10 @@ def test_shipped_configs_exist():
 
 
 def config_class(path: Path) -> type:
-    """Fine-tuning configs (training/finetune.py) are named sni*.yaml; the rest are pre-training."""
+    """Fine-tuning configs (training/finetune.py) are named sni*.yaml and glue*.yaml; the rest are pre-training."""
     from training.finetune_config import FinetuneConfig
 
-    return FinetuneConfig if path.name.startswith("sni") else RunConfig
+    return FinetuneConfig if path.name.startswith(("sni", "glue")) else RunConfig
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 COMMANDS = {
     "t5ds-shard": "data_prep.shard:main",
     "t5ds-verify": "data_prep.verify:main",
+    "t5ds-join": "data_prep.join:main",
     "t5ds-tokenizer": "data_prep.tokenizer:main",
     "t5ds-config": "training.config_loader:cli",
     "t5ds-pretrain": "training.pretrain:cli",
@@ -31,6 +32,7 @@ COMMANDS = {
     "t5ds-convert-checkpoint": "training.checkpoint_universal:cli",
     "t5ds-export": "training.export:cli",
     "t5ds-evaluate-sni": "training.evaluate_sni:cli",
+    "t5ds-glue": "training.glue:cli",
     "t5ds-plot": "training.plot_metrics:cli",
 }
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from training.checkpoint import checkpoint_state_dict
+from training.checkpoint_weights import checkpoint_state_dict
 from training.metrics import read_metrics
 from training.run_dir import LOCK_NAME
 from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
@@ -232,7 +232,7 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(shards, tmp_path):
 def test_export_loads_in_transformers(reference_run, tmp_path):
     from transformers import T5ForConditionalGeneration as HFT5
 
-    from training.checkpoint import load_run_model
+    from training.checkpoint_weights import load_run_model
 
     out = tmp_path / "hf"
     subprocess.run([sys.executable, "-m", "training.export", str(reference_run), str(out), "--max-shard-size", "5MB"],

@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from training.checkpoint import CheckpointManager, load_run_model, newest_checkpoint
+from training.checkpoint import CheckpointManager
+from training.checkpoint_weights import load_run_model, newest_checkpoint
 from training.config import RunConfig
 from training.config_loader import load_run_config
 from training.finetune_config import FinetuneConfig

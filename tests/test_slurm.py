@@ -438,6 +438,7 @@ def test_scripts_parse():
         "slurm/pretrain.sbatch",
         "slurm/pretrain_multinode.sbatch",
         "slurm/finetune.sbatch",
+        "slurm/shard_array.sbatch",
     ]:
         proc = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
         assert proc.returncode == 0, f"{script}: {proc.stderr}"

@@ -26,6 +26,7 @@ MODEL_PRESETS = ("tiny", "small", "base", "large", "xl", "xxl")
 ATTENTION_BACKENDS = ("auto", "math", "sdpa", "triton")
 RESIDUAL_DTYPES = ("float32", "autocast")
 FFN_KERNELS = ("default", "quack")
+ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
 ZERO3_COMPILE_MODES = ("blocks", "pointwise")  # training.zero3_compile
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile
 DEVICES = ("auto", "cuda", "cpu")
@@ -75,6 +76,11 @@ class ModelConfig:
     steps and 3.9 GiB less at T5-base batch 128 on an H100, after 2-3 minutes of autotuning on the
     first step; over a 600-step schedule with three seeds its held-out loss matches the default's
     within 0.01. That gain is under ZeRO 0; under ZeRO 2 none is measurable)."""
+    activation_checkpointing: str = "none"
+    """What a training step keeps for its backward: none (everything: the fastest) | block (each
+    block's inputs only; its forward runs again in the backward: for the largest models and the
+    longest inputs) | selective (the GEMM and attention outputs; the element-wise ops run again).
+    training/model/activation_checkpointing.py."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
@@ -104,6 +110,7 @@ class ModelConfig:
         _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("model.residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         _check_choice("model.ffn_kernel", self.ffn_kernel, FFN_KERNELS)
+        _check_choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         _check_choice("model.zero3_compile", self.zero3_compile, ZERO3_COMPILE_MODES)
         _check_choice("model.compile_mode", self.compile_mode, COMPILE_MODES)
         _check(
@@ -113,9 +120,25 @@ class ModelConfig:
 
 
 @dataclass
+class Source:
+    """One corpus of a mixture (`data.sources`)."""
+
+    dir: str = ""
+    """Directory written by `python -m data_prep.shard`."""
+    weight: float = 1.0
+    """Share of the training samples, relative to the other sources' weights (> 0)."""
+    name: str | None = None
+    """Name in logs and metrics (eval_loss/<name>); null = the directory's last component."""
+
+
+@dataclass
 class DataConfig:
-    dir: str = "data/c4_shards"
-    """Directory written by `python -m data_prep.shard` (manifest.json, train/, validation/)."""
+    dir: str | None = "data/c4_shards"
+    """Directory written by `python -m data_prep.shard` (manifest.json, train/, validation/); null
+    when `sources` names the corpora."""
+    sources: tuple[Source, ...] = ()
+    """A weighted mixture of corpora instead of `dir`, e.g. [{dir: a, weight: 3}, {dir: b, weight: 1}]:
+    same tokenizer and row length; the interleave and its resume are in training/data/mixture.py."""
     tokenizer: str = "assets/t5/spiece.model"
     """SentencePiece .model file or Hugging Face tokenizer directory; its sha256, vocabulary size and
     sentinels must match those recorded in the shard manifest, and it sizes the model's vocabulary."""
@@ -129,7 +152,17 @@ class DataConfig:
     """DataLoader worker processes per rank (0 = load in the training process)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.dir), "data.dir must name the shard directory written by data_prep.shard")
+        _check(
+            not (self.dir and self.sources),
+            "data.dir and data.sources are both set: drop one (data.dir=null to train on the sources)",
+        )
+        _check(
+            bool(self.dir) or bool(self.sources),
+            "data.dir must name the shard directory written by data_prep.shard (or data.sources a mixture)",
+        )
+        self.sources = tuple(_named_source(s, k) for k, s in enumerate(self.sources))
+        names = [s.name for s in self.sources]
+        _check(len(set(names)) == len(names), f"data.sources have the same name twice ({names}): give each a name")
         _check(bool(self.tokenizer), "data.tokenizer must name a SentencePiece .model file or tokenizer directory")
         _check(self.input_length >= 8, f"data.input_length={self.input_length} must be >= 8 tokens")
         _check(
@@ -141,6 +174,16 @@ class DataConfig:
             f"data.mean_noise_span_length={self.mean_noise_span_length} must be >= 1; T5 uses 3.0",
         )
         _check(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
+
+
+def _named_source(source: Source, k: int) -> Source:
+    _check(bool(source.dir), f"data.sources[{k}].dir must name a directory written by data_prep.shard")
+    _check(
+        source.weight > 0 and source.weight != float("inf"),
+        f"data.sources[{k}].weight={source.weight} must be a number > 0 (a share relative to the others)",
+    )
+    name = source.name or source.dir.rstrip("/").rsplit("/", 1)[-1]
+    return dataclasses.replace(source, name=name)
 
 
 @dataclass

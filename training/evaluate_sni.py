@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep.invocation import command_name
-from training.checkpoint import load_run_model
+from training.checkpoint_weights import load_run_model
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors, run_main
 from training.distributed import shutdown_distributed
 from training.model.hf_compat import load_pretrained

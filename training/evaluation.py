@@ -1,4 +1,5 @@
-"""Held-out loss and token accuracy of the span-corruption objective on the validation shards."""
+"""Held-out loss and token accuracy of the span-corruption objective on the validation shards (of
+one corpus, or of each corpus of a mixture)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,20 @@ def evaluate_span_corruption(engine, batches: list[dict], device: torch.device) 
     if tokens == 0:
         raise RuntimeError("validation produced no target tokens: check the validation shards")
     return {"eval_loss": loss_sum / tokens, "eval_accuracy": correct / tokens, "eval_tokens": int(tokens)}
+
+
+def evaluate_mixture(engine, batches_by_source: dict[str, list[dict]], shares: dict[str, float],
+                     device: torch.device) -> dict:
+    """`evaluate_span_corruption` on each corpus of a mixture that has a validation split, as
+    eval_loss/<name>, eval_accuracy/<name> and eval_tokens/<name>; eval_loss and eval_accuracy are
+    their means weighted by the corpora's shares of the training samples (renormalised over the corpora
+    evaluated): the held-out loss of data drawn as the training data is, whatever the split sizes."""
+    result: dict = {}
+    for name, batches in batches_by_source.items():
+        one = evaluate_span_corruption(engine, batches, device)
+        result.update({f"{key}/{name}": value for key, value in one.items()})
+    total = sum(shares[name] for name in batches_by_source)
+    for key in ("eval_loss", "eval_accuracy"):
+        result[key] = sum(shares[name] * result[f"{key}/{name}"] for name in batches_by_source) / total
+    result["eval_tokens"] = sum(result[f"eval_tokens/{name}"] for name in batches_by_source)
+    return result

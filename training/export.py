@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", help="the run's output_dir")
     parser.add_argument("out_dir", help="directory to write the Hugging Face model into (new or empty)")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest complete)")
-    parser.add_argument("--tokenizer", default=None, help="SentencePiece model or tokenizer directory (default: the run's data.tokenizer)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="SentencePiece model or tokenizer directory (default: the run's data.tokenizer)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the exported weights (default: float32, as trained)")
     parser.add_argument("--max-shard-size", type=_shard_size, default=None,
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out} exists and {what}: choose a new directory (nothing was written)", file=sys.stderr)
         return 2
     # Here, not at the top: --help and argument errors do not wait for torch and the model.
-    from training.checkpoint import load_run_model
+    from training.checkpoint_weights import load_run_model
     from training.model.hf_compat import DEFAULT_MAX_SHARD_SIZE, save_hf_directory
     from training.run_dir import RunDir
 

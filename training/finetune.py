@@ -1,13 +1,16 @@
-r"""Fine-tune T5 on Super-Natural-Instructions and evaluate Rouge-L (the Tk-Instruct protocol).
+r"""Fine-tune T5 on a task and evaluate it: Super-Natural-Instructions with Rouge-L (the Tk-Instruct
+protocol), or any text-to-text dataset (`task.kind: text2text`; docs/finetuning.md).
 
     python -m training.launch --num_gpus 8 training/finetune.py --config training/configs/sni.yaml init=runs/base
-    deepspeed training/finetune.py --config training/configs/sni.yaml \
-        --deepspeed_config ds_configs/zero2.json [init=runs/base] [key=value ...]
+    deepspeed training/finetune.py --config training/configs/glue_rte.yaml \
+        --deepspeed_config ds_configs/zero2.json init=runs/base data.dir=/data/glue/rte [key=value ...]
 
 `init` is nanoT5's three modes: one of our pre-training runs (its newest complete checkpoint), a
 Hugging Face T5 directory (e.g. a local google/t5-v1_1-base), or `random`. Same engine, ZeRO
-configs, checkpoints and logging as pre-training; Rouge-L on the test tasks every
-`eval.every_steps` and at the end, predictions and metrics under `<output_dir>/sni_eval/`.
+configs, checkpoints and logging as pre-training. SNI: Rouge-L on the test tasks every
+`eval.every_steps` and at the end, under `<output_dir>/sni_eval/`. Text-to-text: the validation
+split every `eval.every_steps` and at the end (with `eval.best_metric`, the best weights are kept
+and end the run; `eval.patience` stops early), then the test split, under `<output_dir>/eval/`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import time
 
 import torch
 
+from training.best_checkpoint import BestSelection
 from training.budget import Horizon
 from training.cli_errors import ExpectedError, expected_errors
 from training.compile_settings import log_first_step
@@ -43,10 +47,12 @@ from training.config import micro_batch_size
 from training.distributed import DistInfo, all_reduce_sum
 from training.ds_config import resolve_ds_config
 from training.finetune_config import FinetuneConfig
+from training.finetune_tasks import load_task
 from training.metrics import RemainingTime, train_line
 from training.nonfinite_watch import checkpoint_refusal
 from training.optim import weight_l2_norm
 from training.resume_policy import plan_resume
+from training.run_dir import step_dirname
 from training.run_setup import (
     begin_run,
     build_model,
@@ -58,9 +64,7 @@ from training.run_setup import (
     setup_complete,
     start_engine,
 )
-from training.sni.encoding import SNITokenizer, TemplateConfig, encode_tasks, num_train_batches, train_batches
-from training.sni.evaluate import build_eval_set, evaluate_sni
-from training.sni.tasks import load_sni
+from training.sni.encoding import SNITokenizer, num_train_batches, train_batches
 from training.stop_signals import EXIT_REQUEUE
 from training.vocabulary import init_tokenizer, run_vocabulary
 
@@ -68,7 +72,7 @@ logger = logging.getLogger("t5ds.finetune")
 
 
 def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInfo) -> int:
-    """Run (or resume) SNI fine-tuning with a final Rouge-L evaluation; returns the process exit code."""
+    """Run (or resume) fine-tuning with its final evaluation; returns the process exit code."""
     rank, world_size, device = dist_info.rank, dist_info.world_size, dist_info.device
     stop, run_dir = begin_run(cfg, rank=rank)  # first: signal handler, run directory, seed
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
@@ -76,20 +80,11 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
     # --- data: every rank encodes the same instances (a few seconds), then takes its batches ----
     cfg.data.tokenizer = cfg.data.tokenizer or init_tokenizer(cfg.init)
     vocab = run_vocabulary(cfg.data.tokenizer, cfg.model.vocab_size)
-    with expected_errors("data", ValueError, FileNotFoundError):  # the SNI files or the tokenizer do not fit
+    with expected_errors("data", ValueError, FileNotFoundError):  # the task's files or the tokenizer do not fit
         tokenizer = SNITokenizer(Path(cfg.data.tokenizer) / "spiece.model" if Path(cfg.data.tokenizer).is_dir()
                                  else cfg.data.tokenizer)
-        template = TemplateConfig(num_pos_examples=cfg.data.num_pos_examples,
-                                  max_source_length=cfg.data.max_source_length,
-                                  max_target_length=cfg.data.max_target_length)
-        tasks = load_sni(cfg.data.dir, "train", max_instances_per_task=cfg.data.max_instances_per_task, seed=cfg.seed)
-        tasks = tasks[: cfg.data.max_train_tasks] if cfg.data.max_train_tasks else tasks
-        examples = encode_tasks(tasks, tokenizer, template)
-        test_tasks = None
-        if cfg.eval.max_tasks:
-            test_tasks = [t.name for t in load_sni(cfg.data.dir, "test", max_instances_per_task=1)][: cfg.eval.max_tasks]
-        eval_set = build_eval_set(cfg.data.dir, tokenizer, tasks=test_tasks, seed=cfg.seed, template=template,
-                                  max_instances_per_task=cfg.eval.max_instances_per_task)
+        task = load_task(cfg, tokenizer)
+        examples = task.examples
     micro_bs = micro_batch_size(cfg, world_size)
     steps_per_epoch = num_train_batches(len(examples), micro_bs, world_size) // cfg.optim.grad_acc
     if steps_per_epoch < 1:
@@ -105,37 +100,44 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
     engine, ckpt, resume_from, clip = start_engine(cfg, model, optimizer, scheduler, ds_config, run_dir, rank=rank,
                                                    world_size=world_size, device=device)
     step = 0
+    selection = BestSelection(cfg.eval.best_metric, cfg.eval.best_mode, cfg.eval.patience)
     if resume_from is not None:
         resume = plan_resume(cfg, ckpt, resume_from, run_dir, rank=rank)  # refuses changes that cannot apply
         with resume.keeping_settings(optimizer, scheduler):
             step, rank_state = ckpt.load(engine, resume_from)
         restore_rng_state(rank_state.get("rng"), same_world=rank_state.get("world_size") == world_size)
+        selection.load_state_dict(rank_state.get("selection"))
+    if selection.best_step is not None:
+        ckpt.protected = {step_dirname(selection.best_step)}
     start_step = step
 
     metrics = open_run_outputs(cfg, ds_config, model_cfg, run_dir, rank=rank)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "init": cfg.init,
                           "train_instances": len(examples), "total_steps": total_steps,
                           "deterministic": torch.are_deterministic_algorithms_enabled()})
-    logger.info("%d training instances of %d tasks: %d steps per epoch, %d steps", len(examples), len(tasks),
-                steps_per_epoch, total_steps)
+    logger.info("%s: %d steps per epoch, %d steps", task.description, steps_per_epoch, total_steps)
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cfg.precision == "bf16" and device.type == "cuda"
                 else contextlib.nullcontext())
 
-    def run_eval() -> dict:
+    last_eval = {"step": -1}  # the newest periodic evaluation's record
+
+    def run_eval(split: str) -> dict:
         with autocast:
-            result = evaluate_sni(engine.module, eval_set, tokenizer, out_dir=run_dir.sni_eval_dir(step),
-                                  batch_size=cfg.eval.batch_size, rank=rank, world_size=world_size,
-                                  max_new_tokens=cfg.eval.max_new_tokens, device=device,
-                                  num_beams=cfg.eval.num_beams, length_penalty=cfg.eval.length_penalty)
+            record = task.evaluate(engine.module, split, step, run_dir, rank=rank, world_size=world_size,
+                                   device=device)
         engine.train()
-        record = {"step": step, "rougeL": result["rougeL"], "exact_match": result["exact_match"],
-                  "n_instances": result["n_instances"], "eval_seconds": result.get("eval_seconds")}
-        record.update({f"rougeL/{cat}": v["rougeL"] for cat, v in result["per_category"].items()})
         metrics.log("eval", record)
-        logger.info("[eval] Step %d | Rouge-L --> %.2f | Exact match --> %.2f | Instances --> %d", step,
-                    result["rougeL"], result["exact_match"], result["n_instances"])
-        return result
+        return record
+
+    def periodic_eval() -> None:
+        """SNI: the test tasks. Text-to-text: the validation split, which best-checkpoint selection watches."""
+        nonlocal last_eval
+        last_eval = record = run_eval(task.validation_split or task.final_split)
+        if selection.active and selection.observe(record[selection.metric], step, record):
+            if save_checkpoint():
+                ckpt.protected = {step_dirname(step)}
+            logger.info("best %s so far: %.4f at step %d", selection.metric, selection.best, step)
 
     def batches_from(first_step: int):
         """(micro-batch) stream from optimizer step `first_step` on; epochs follow one another."""
@@ -147,14 +149,18 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
                 yield next(stream)
             epoch, start = epoch + 1, 0
 
-    def save_checkpoint() -> None:
+    def save_checkpoint() -> bool:
         """A checkpoint of this step, unless its update was skipped or its loss or weights are not finite."""
         loss = all_reduce_sum([step_loss.item()], device)[0] / world_size
         refusal = checkpoint_refusal(optimizer.skip_counters(wait=True)[1], loss, weight_l2_norm(optimizer))
         if refusal:
             logger.warning("step %d is not written as a checkpoint: %s", step, refusal)
-            return
-        ckpt.save(engine, step, {"rng": capture_rng_state(), "world_size": world_size})
+            return False
+        state = {"rng": capture_rng_state(), "world_size": world_size}
+        if selection.active:
+            state["selection"] = selection.state_dict()
+        ckpt.save(engine, step, state)
+        return True
 
     # --- the loop -------------------------------------------------------------------------------
     exit_code = 0
@@ -166,7 +172,7 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
     remaining = RemainingTime()
     first_step = step
     engine.train()
-    while step < total_steps:
+    while step < total_steps and not selection.finished:
         grad_l2 = None
         step_loss.zero_()
         for micro in range(cfg.optim.grad_acc):
@@ -206,19 +212,31 @@ def finetune(cfg: FinetuneConfig, ds_config_path: str | None, dist_info: DistInf
             exit_code = EXIT_REQUEUE
             break
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total_steps:
-            run_eval()
+            periodic_eval()
+            if selection.should_stop:
+                logger.info("early stop at step %d: %d evaluations without a better %s than %.4f (step %d)", step,
+                            selection.evals_without_improvement, selection.metric, selection.best, selection.best_step)
+                break
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total_steps:
             save_checkpoint()
 
     if exit_code == 0:
-        result = run_eval()
+        finished_before = selection.finished  # a finished run restarted: its weights are the selected ones
+        if task.validation_split and not finished_before and last_eval["step"] != step:
+            periodic_eval()  # the last weights are a candidate too
+        best = run_dir.checkpoints / step_dirname(selection.best_step or 0)
+        if selection.active and not finished_before and selection.best_step not in (None, step) and best.is_dir():
+            logger.info("the best %s (%.4f) is step %d's: its weights end the run", selection.metric,
+                        selection.best, selection.best_step)
+            ckpt.load(engine, best)
+        selection.finished = True
+        # without a test split, the result is the validation of the weights the run ends with
+        record = run_eval(task.final_split) if task.final_split else selection.best_record or last_eval
         # a finished run restarted has nothing new to save
         if cfg.checkpoint.at_end and (step != start_step or resume_from is None):
             save_checkpoint()
         if rank == 0:
-            print(f"SNI test Rouge-L {result['rougeL']:.2f} (exact match {result['exact_match']:.2f}, "
-                  f"{result['n_instances']} instances) after {step} steps; predictions and metrics in "
-                  f"{run_dir.sni_eval_dir(step)}", flush=True)
+            print(task.summary(record, run_dir), flush=True)
     metrics.log("event", {"step": step, "event": "exit", "exit_code": exit_code})
     metrics.close()
     stop.restore()

@@ -39,10 +39,11 @@ from training.budget import Horizon, TimeBudget
 from training.cli_errors import expected_errors
 from training.compile_settings import log_first_step
 from training.config import RunConfig, eval_batch_size_per_rank, micro_batch_size
-from training.data import PretrainBatches, has_split, validation_batches
+from training.data import PretrainBatches, WeightedCorpus, has_split, validation_batches
+from training.data.mixture import mixture_errors
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.ds_config import resolve_ds_config
-from training.evaluation import evaluate_span_corruption
+from training.evaluation import evaluate_mixture, evaluate_span_corruption
 from training.metrics import RemainingTime, train_line
 from training.model.config import T5Config
 from training.model.flops import model_flops_per_step
@@ -69,11 +70,12 @@ logger = logging.getLogger("t5ds.pretrain")
 
 
 @expected_errors("data.dir", ValueError, FileNotFoundError)  # the shards do not fit the run config
-def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary,
-                         dist_info: DistInfo) -> tuple[PretrainBatches, list[dict] | None]:
+def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary, dist_info: DistInfo
+                         ) -> tuple[PretrainBatches, list[dict] | dict[str, list[dict]] | None]:
     """This rank's training batches (a resumable stream) and validation batches (a fixed list; None when
     the dataset has no validation split) of the span-corruption objective over the shards in `data.dir`,
-    with the sentinels of the run's tokenizer."""
+    or over the mixture `data.sources` (then validation batches by corpus name), with the sentinels of
+    the run's tokenizer."""
     rank, world_size = dist_info.rank, dist_info.world_size
     objective = {
         "input_length": cfg.data.input_length, "noise_density": cfg.data.noise_density,
@@ -81,13 +83,16 @@ def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabula
         "expected_tokenizer_sha256": vocab.tokenizer.sha256, "vocab_size": model_cfg.vocab_size,
         "sentinel_start_id": vocab.sentinel_start_id,
     }
+    corpora = [WeightedCorpus(s.name, s.dir, s.weight) for s in cfg.data.sources]
     train_batches = PretrainBatches(
-        cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_batch_size(cfg, world_size),
+        corpora or cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_batch_size(cfg, world_size),
         grad_acc=cfg.optim.grad_acc, seed=cfg.seed, num_workers=cfg.data.num_workers,
         # Pinned host memory makes the copy to the GPU asynchronous; a pageable copy would block
         # the host until the GPU has finished the previous step, so no kernels could be queued ahead.
         pin_memory=dist_info.device.type == "cuda", **objective,
     )
+    if corpora:
+        return train_batches, mixture_validation(cfg, corpora, dist_info, objective)
     if not has_split(cfg.data.dir, "validation"):
         if rank == 0:
             logger.warning("%s has no validation split: evaluation is off for this run (shard one with "
@@ -98,6 +103,25 @@ def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabula
         max_samples=cfg.eval.max_samples or None, seed=cfg.seed, **objective,
     ))
     return train_batches, val_batches
+
+
+def mixture_validation(cfg: RunConfig, corpora: list[WeightedCorpus], dist_info: DistInfo,
+                       objective: dict) -> dict[str, list[dict]] | None:
+    """Validation batches of each corpus of a mixture that has a validation split, by name (None: none has)."""
+    batches = {}
+    for k, corpus in enumerate(corpora):
+        if not has_split(corpus.dir, "validation"):
+            if dist_info.rank == 0:
+                logger.warning("data.sources[%d] (%s) has no validation split: its held-out loss is not measured",
+                               k, corpus.name)
+            continue
+        with mixture_errors(corpora, k):
+            batches[corpus.name] = list(validation_batches(
+                corpus.dir, rank=dist_info.rank, world_size=dist_info.world_size,
+                batch_size=eval_batch_size_per_rank(cfg, dist_info.world_size),
+                max_samples=cfg.eval.max_samples or None, seed=cfg.seed, **objective,
+            ))
+    return batches or None
 
 
 class LogWindow:
@@ -176,18 +200,28 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     budget = TimeBudget(cfg.budget.hours, elapsed_before_s=elapsed_before)
 
     metrics = open_run_outputs(cfg, ds_config, model_cfg, run_dir, rank=rank)
+    mixture = train_batches.mixture_proportions(horizon.total_steps * cfg.optim.batch_size)
+    for source in mixture if mixture and rank == 0 else ():  # the effective proportions of a mixture
+        logger.info("mixture: %s gets %.2f%% of the samples; %d rows, %.3g epochs of them in %d steps",
+                    source["name"], 100 * source["share"], source["rows"], source["epochs"], horizon.total_steps)
     metrics.log("event", {"step": step, "event": "resume" if resume_from else "start", "world_size": world_size,
                           "parameters": sum(p.numel() for p in model.parameters()),
+                          **({"mixture": mixture} if mixture else {}),
                           "deterministic": torch.are_deterministic_algorithms_enabled(),
                           **({"config_changes": resume.changes} if resume_from else {})})
 
     def run_eval() -> dict | None:
         if val_batches is None:  # no validation split
             return None
-        result = evaluate_span_corruption(engine, val_batches, device)
+        if isinstance(val_batches, dict):  # a mixture: each corpus's loss, and their mean at the mixture's shares
+            result = evaluate_mixture(engine, val_batches, {s["name"]: s["share"] for s in mixture}, device)
+        else:
+            result = evaluate_span_corruption(engine, val_batches, device)
         metrics.log("eval", {"step": step, **result})
-        logger.info("[eval] Step %d | Loss --> %.4f | Accuracy --> %.4f | Tokens --> %d", step,
-                    result["eval_loss"], result["eval_accuracy"], result["eval_tokens"])
+        by_source = "".join(f" | {name} --> {result[f'eval_loss/{name}']:.4f}" for name in val_batches) \
+            if isinstance(val_batches, dict) else ""
+        logger.info("[eval] Step %d | Loss --> %.4f | Accuracy --> %.4f | Tokens --> %d%s", step,
+                    result["eval_loss"], result["eval_accuracy"], result["eval_tokens"], by_source)
         return result
 
     def save_checkpoint() -> None:

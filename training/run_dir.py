@@ -8,6 +8,8 @@
         checkpoints/        step_NNNNNNNN/ checkpoints and `latest` (training/checkpoint.py)
         sni_eval/           fine-tuning only: step_NNNNNNNN/ with each SNI evaluation's predictions
                             and metrics (training/sni/evaluate.py)
+        eval/               text-to-text fine-tuning: <split>/step_NNNNNNNN/ with each evaluation's
+                            predictions and metrics (training/text2text/evaluate.py)
         wandb/              Weights & Biases' offline files, when logging.wandb is not disabled
         trainer.lock        held (a POSIX lock) by the trainer using the directory; host and pid inside
 
@@ -56,6 +58,7 @@ MODEL_CONFIG_NAME = "model_config.json"
 METRICS_NAME = "metrics.jsonl"
 CHECKPOINTS_DIRNAME = "checkpoints"
 SNI_EVAL_DIRNAME = "sni_eval"
+EVAL_DIRNAME = "eval"
 LOCK_NAME = "trainer.lock"
 # errno values of a filesystem that does not do POSIX locks
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -128,6 +131,10 @@ class RunDir:
     def sni_eval_dir(self, step: int) -> Path:
         """Where the SNI evaluation after optimizer step `step` writes predictions.jsonl and metrics.json."""
         return self.path / SNI_EVAL_DIRNAME / step_dirname(step)
+
+    def eval_dir(self, split: str, step: int) -> Path:
+        """Where the text-to-text evaluation of `split` after optimizer step `step` writes its files."""
+        return self.path / EVAL_DIRNAME / split / step_dirname(step)
 
     def is_run(self) -> bool:
         """Whether the directory holds a run of training/pretrain.py or training/finetune.py (they write

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from training.budget import Horizon
-from training.checkpoint import CheckpointManager, load_run_model
+from training.checkpoint import CheckpointManager
+from training.checkpoint_weights import load_run_model
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors
 from training.compile_settings import compile_forward
 from training.determinism import set_deterministic
@@ -45,7 +46,8 @@ def build_model(model_section, device: torch.device, init: str | None = None, vo
     `vocab`'s size, else T5's 32128); a directory holding model_config.json is one of our runs (its
     newest complete checkpoint); any other path is a Hugging Face T5 directory or a nanoT5 state dict
     (shaped as the preset). Starting weights of another vocabulary size than `vocab`'s are refused.
-    Dropout, the attention backend, the residual dtype and the FFN kernel always come from
+    Dropout, the attention backend, the residual dtype, the FFN kernel and activation checkpointing
+    always come from
     `model_section`.
     """
     overrides = {
@@ -53,6 +55,7 @@ def build_model(model_section, device: torch.device, init: str | None = None, vo
         "attention_backend": model_section.attention_backend,
         "residual_dtype": model_section.residual_dtype,
         "ffn_kernel": model_section.ffn_kernel,
+        "activation_checkpointing": model_section.activation_checkpointing,
     }
     if model_section.ffn_kernel == "quack":
         quack_ffn.load()  # here, so that a run asking for it on a machine that lacks it stops at once

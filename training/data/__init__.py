@@ -1,5 +1,7 @@
-"""Pre-training data: T5 span corruption and the loader with a resumable global cursor."""
+"""Pre-training data: T5 span corruption and the loader with a resumable global cursor, over one
+corpus or a weighted mixture of corpora."""
 
+from training.data.mixture import WeightedCorpus
 from training.data.permutation import EpochPermutation
 from training.data.pretrain_loader import (
     Cursor,
@@ -19,6 +21,7 @@ __all__ = [
     "SpanCorruption",
     "SplitInfo",
     "ValidationBatches",
+    "WeightedCorpus",
     "expand_sentinels",
     "has_split",
     "micro_batch_sample_indices",

@@ -34,19 +34,22 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 
 class EpochPermutation:
-    """Bijection [0, n) -> [0, n) determined by (seed, epoch). Call it on an array of positions."""
+    """Bijection [0, n) -> [0, n) determined by (seed, epoch, stream). Call it on an array of positions.
 
-    def __init__(self, n: int, seed: int, epoch: int) -> None:
+    `stream` tells apart the corpora of a mixture (training/data/mixture.py); stream 0 is the key of
+    a single corpus."""
+
+    def __init__(self, n: int, seed: int, epoch: int, stream: int = 0) -> None:
         if n < 1:
             raise ValueError(f"cannot permute {n} rows: the split is empty")
-        if seed < 0 or epoch < 0:
-            raise ValueError(f"seed and epoch must be >= 0, got {seed}, {epoch}")
+        if seed < 0 or epoch < 0 or stream < 0:
+            raise ValueError(f"seed, epoch and stream must be >= 0, got {seed}, {epoch}, {stream}")
         self.n = n
         bits = max(2, int(n - 1).bit_length())
         self.half_bits = (bits + 1) // 2
         self.half_mask = np.uint64((1 << self.half_bits) - 1)
         self.domain = 1 << (2 * self.half_bits)
-        rng = np.random.default_rng([seed, epoch, _SHUFFLE_TAG])
+        rng = np.random.default_rng([seed, epoch, _SHUFFLE_TAG] + ([stream] if stream else []))
         self.round_keys = rng.integers(0, 2**64, size=_ROUNDS, dtype=np.uint64)
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:

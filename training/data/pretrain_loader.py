@@ -3,8 +3,9 @@
 Sample line. The split's rows are visited epoch by epoch; epoch e is a random permutation of all
 N rows seeded by (seed, e) (`EpochPermutation`). Concatenating the epochs gives one infinite line
 of samples; global sample index g = e * N + p is position p of epoch e, and it holds row
-perm_e(p). The noise of sample g is keyed by (seed, g): the same sample gets the same corruption
-on any rank, worker or restart, and a row gets fresh noise each epoch.
+perm_e(p); a mixture of corpora splits this line between them (training/data/mixture.py). The
+noise of sample g is keyed by (seed, g): the same sample gets the same corruption on any rank,
+worker or restart, and a row gets fresh noise each epoch.
 
 Global batches. The cursor `samples_consumed` = c is a position on that line. The global batch at
 c (size G = micro_batch_size * grad_acc * world_size) is the samples [c, c + G); a batch that
@@ -34,14 +35,22 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from training.data.permutation import EpochPermutation
+from training.data.mixture import (
+    SampleRows,
+    WeightedCorpus,
+    check_compatible,
+    check_same_mixture,
+    corpora_of,
+    integer_weights,
+    mixture_errors,
+)
 from training.data.row_store import RowStore, open_split
 from training.data.span_corruption import NOISE_STREAM_TRAIN, NOISE_STREAM_VALIDATION, SpanCorruption
 from training.stop_signals import ignore_stop_signals
@@ -148,7 +157,7 @@ class _PretrainStream(IterableDataset):
 
     def __init__(
         self,
-        store: RowStore,
+        sample_rows: SampleRows,
         corruption: SpanCorruption,
         start: int,
         seed: int,
@@ -159,7 +168,7 @@ class _PretrainStream(IterableDataset):
         grad_acc: int,
         include_indices: bool,
     ) -> None:
-        self.store, self.corruption, self.start, self.seed = store, corruption, start, seed
+        self.sample_rows, self.corruption, self.start, self.seed = sample_rows, corruption, start, seed
         self.rank, self.world_size = rank, world_size
         self.micro_batch_size, self.grad_acc = micro_batch_size, grad_acc
         self.include_indices = include_indices
@@ -167,8 +176,6 @@ class _PretrainStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         worker = get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        n = len(self.store)
-        permutations: dict[int, EpochPermutation] = {}
         micro_index = worker_id
         while True:
             samples = micro_batch_sample_indices(
@@ -179,20 +186,16 @@ class _PretrainStream(IterableDataset):
                 micro_batch_size=self.micro_batch_size,
                 grad_acc=self.grad_acc,
             )
-            epochs, positions = np.divmod(samples, n)
-            row_ids = np.empty_like(samples)
-            for epoch in np.unique(epochs).tolist():
-                if epoch not in permutations:
-                    permutations = {epoch: EpochPermutation(n, self.seed, epoch)}  # keep only the current
-                here = epochs == epoch
-                row_ids[here] = permutations[epoch](positions[here])
-            rows = self.store.read(row_ids)
-            _check_token_ids(rows, self.corruption, self.store)
+            rows, row_ids, sources = self.sample_rows.read(samples)
+            for k in np.unique(sources).tolist():
+                _check_token_ids(rows[sources == k], self.corruption, self.sample_rows.stores[k])
             inputs, labels = self.corruption.corrupt(rows, samples, self.seed, NOISE_STREAM_TRAIN)
             batch = _to_batch(inputs, labels)
             if self.include_indices:
                 batch["sample_index"] = torch.from_numpy(samples)
                 batch["row_index"] = torch.from_numpy(row_ids)
+                if len(self.sample_rows.stores) > 1:
+                    batch["source_index"] = torch.from_numpy(sources)
             yield batch
             micro_index += num_workers
 
@@ -243,13 +246,15 @@ class PretrainBatches:
 
     Each item is {"input_ids": int64[micro_batch_size, input_length], "labels": int64[micro_batch_size,
     targets_length]} (labels are -100 only where padded, which never happens at the standard lengths),
-    plus "sample_index" and "row_index" (int64[micro_batch_size]) when include_indices=True. Every
-    grad_acc consecutive items make this rank's share of one optimizer step.
+    plus "sample_index" and "row_index" (int64[micro_batch_size]) when include_indices=True, and for a
+    mixture of corpora (training/data/mixture.py) "source_index", the corpus of each row. Every
+    grad_acc consecutive items make this rank's share of one optimizer step. `data_dir` is one
+    directory or the corpora of a mixture.
     """
 
     def __init__(
         self,
-        data_dir: str | os.PathLike,
+        data_dir: str | os.PathLike | Sequence[WeightedCorpus],
         split: str = "train",
         *,
         rank: int,
@@ -275,21 +280,30 @@ class PretrainBatches:
                 f"need micro_batch_size >= 1, grad_acc >= 1, num_workers >= 0; got {micro_batch_size}, "
                 f"{grad_acc}, {num_workers}"
             )
-        self.corruption, self.store = _corruption_and_store(
-            data_dir,
-            split,
-            input_length=input_length,
-            noise_density=noise_density,
-            mean_noise_span_length=mean_noise_span_length,
-            vocab_size=vocab_size,
-            sentinel_start_id=sentinel_start_id,
-            expected_tokenizer_sha256=expected_tokenizer_sha256,
-        )
+        self.corpora = corpora_of(data_dir)
+        if self.corpora is not None:
+            check_compatible(self.corpora)
+        stores = []
+        for k, corpus_dir in enumerate([data_dir] if self.corpora is None else [c.dir for c in self.corpora]):
+            with mixture_errors(self.corpora, k):
+                self.corruption, store = _corruption_and_store(
+                    corpus_dir,
+                    split,
+                    input_length=input_length,
+                    noise_density=noise_density,
+                    mean_noise_span_length=mean_noise_span_length,
+                    vocab_size=vocab_size,
+                    sentinel_start_id=sentinel_start_id,
+                    expected_tokenizer_sha256=expected_tokenizer_sha256,
+                )
+            stores.append(store)
+        weights = (1,) if self.corpora is None else integer_weights([c.weight for c in self.corpora])
+        self.sample_rows = SampleRows(stores, seed, weights)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.micro_batch_size, self.grad_acc = micro_batch_size, grad_acc
         self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
         self.include_indices = include_indices
-        self._cursor = Cursor(seed=seed, rows_per_epoch=len(self.store))
+        self._cursor = Cursor(seed=seed, rows_per_epoch=self.rows_per_epoch)
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         if cursor is not None:
             self.load_state_dict(cursor.state_dict() if isinstance(cursor, Cursor) else cursor)
@@ -301,7 +315,15 @@ class PretrainBatches:
 
     @property
     def rows_per_epoch(self) -> int:
-        return len(self.store)
+        """Rows of the split; of all corpora together for a mixture."""
+        return sum(len(store) for store in self.sample_rows.stores)
+
+    def mixture_proportions(self, run_samples: int) -> list[dict] | None:
+        """Per corpus of a mixture: name, share of the samples, rows, and epochs of it in `run_samples`
+        samples; None for one corpus."""
+        if self.corpora is None:
+            return None
+        return self.sample_rows.describe([c.name for c in self.corpora], run_samples)
 
     @property
     def input_length(self) -> int:
@@ -319,11 +341,23 @@ class PretrainBatches:
         return Cursor(self._cursor.seed, self._cursor.rows_per_epoch, self._cursor.samples_consumed)
 
     def state_dict(self) -> dict:
-        return self._cursor.state_dict()
+        """The cursor's; a mixture adds its corpora's rows and integer weights, which a resume must match."""
+        if self.corpora is None:
+            return self._cursor.state_dict()
+        return {**self._cursor.state_dict(), "sources": self._mixture_state()}
+
+    def _mixture_state(self) -> list[dict] | None:
+        if self.corpora is None:
+            return None
+        return [
+            {"name": c.name, "rows": len(store), "weight": w}
+            for c, store, w in zip(self.corpora, self.sample_rows.stores, self.sample_rows.schedule.weights)
+        ]
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved cursor (any world size / micro-batch split). Call before iterating."""
         cursor = Cursor.from_state_dict(state)
+        check_same_mixture(state.get("sources"), self._mixture_state())
         if cursor.seed != self.seed:
             raise ValueError(
                 f"the cursor was saved with seed={cursor.seed}; pass seed={cursor.seed} to resume"
@@ -354,7 +388,7 @@ class PretrainBatches:
         """Micro-batches from the current cursor. A new iterator restarts at the cursor (micro-batches of
         an unfinished global batch are handed out again)."""
         stream = _PretrainStream(
-            self.store,
+            self.sample_rows,
             self.corruption,
             self._cursor.samples_consumed,
             self.seed,

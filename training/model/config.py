@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "math", "sdpa", "triton")
 FEED_FORWARD_PROJ = ("gated-gelu", "relu")
 RESIDUAL_DTYPES = ("float32", "autocast")
 FFN_KERNELS = ("default", "quack")
+ACTIVATION_CHECKPOINTING = ("none", "block", "selective")  # training/model/activation_checkpointing.py
 
 # T5 v1.1 dimensions (google/t5-v1_1-*): d_model, d_ff, layers (encoder = decoder), heads; d_kv = 64.
 _V11_SIZES = {
@@ -82,6 +83,10 @@ class T5Config:
     # schedule). The same function, rounded differently (the GELU on the GEMM's fp32 accumulator);
     # where QuACK cannot run (CPU, dropout, no gradients) the FFN takes the default path.
     ffn_kernel: str = "default"
+    # Activation checkpointing of the blocks in training: "none", "block" (keep only each block's
+    # inputs, recompute its forward in the backward) or "selective" (keep the GEMM and attention
+    # outputs, recompute the element-wise ops). See training/model/activation_checkpointing.py.
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         if self.num_decoder_layers is None:
@@ -133,6 +138,11 @@ class T5Config:
                 f"T5Config.ffn_kernel must be one of {FFN_KERNELS} ('quack' needs quack-kernels and a "
                 f"Hopper or newer GPU), got {self.ffn_kernel!r}"
             )
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                f"T5Config.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
+                f"got {self.activation_checkpointing!r}"
+            )
         if self.initializer_factor <= 0:
             raise ValueError(f"T5Config.initializer_factor must be > 0, got {self.initializer_factor}")
         for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
@@ -168,6 +178,7 @@ class T5Config:
         fields = {k: v for k, v in hf.items() if k in names and v is not None}
         fields.pop("attention_backend", None)
         fields.pop("ffn_kernel", None)
+        fields.pop("activation_checkpointing", None)
         tie = hf.get("tie_word_embeddings", True)
         fields["tie_word_embeddings"] = bool(tie)
         # HF scales decoder outputs exactly when the embeddings are tied (see transformers T5 code).

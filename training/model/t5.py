@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.model import quack_ffn, triton_decode_attention
+from training.model.activation_checkpointing import run_block
 from training.model.attention import (
     attention,
     bias_saturation_distance,
@@ -400,8 +401,11 @@ class T5Stack(nn.Module):
         bias = self.position_bias(q_len, k_len, past_length, input_ids.device)
         enc_mask = None if encoder_attention_mask is None else encoder_attention_mask.to(torch.bool)
         pending = None  # each block's FFN output, added to h by the next norm (see T5Block.forward)
+        policy = self.config.activation_checkpointing if caches is None and self.training else "none"
         for i, block in enumerate(self.block):
-            h, pending = block(
+            h, pending = run_block(
+                policy,
+                block,
                 h,
                 bias,
                 key_mask,

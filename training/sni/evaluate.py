@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from training.distributed import all_reduce_sum
 from training.metrics import progress
 from training.sni.encoding import EOS_ID, EncodedExample, SNITokenizer, TemplateConfig, collate, encode_tasks
 from training.sni.rouge import Reference, sni_metrics
@@ -104,6 +105,12 @@ def decode_generated(row: Sequence[int], tokenizer: SNITokenizer) -> str:
     return tokenizer.decode(ids).strip()
 
 
+def generated_length(row: Sequence[int]) -> int:
+    """Tokens one generated row (decoder start first) holds up to its first EOS, EOS included."""
+    ids = [int(t) for t in row[1:]]
+    return ids.index(EOS_ID) + 1 if EOS_ID in ids else len(ids)
+
+
 def _model_device(model) -> torch.device:
     try:
         return next(model.parameters()).device
@@ -111,7 +118,7 @@ def _model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def _beam_settings(num_beams: int, length_penalty: float) -> dict:
+def beam_settings(num_beams: int, length_penalty: float) -> dict:
     """The beam-search arguments of `generate`: none for greedy decoding (num_beams 1), so that a
     model whose generate lacks them still evaluates greedily."""
     return {"num_beams": num_beams, "length_penalty": length_penalty} if num_beams > 1 else {}
@@ -129,14 +136,15 @@ def generate_predictions(
     device: torch.device | None = None,
     num_beams: int = 1,
     length_penalty: float = 1.0,
+    counts: dict[str, int] | None = None,
 ) -> dict[str, str]:
     """Predictions (id -> text) for this rank's share of `examples`: greedy, or beam search with
-    `num_beams` > 1.
+    `num_beams` > 1. `counts`, when given, gets "generated_tokens" (up to each row's EOS) added.
 
     `model.generate(input_ids, attention_mask=..., max_new_tokens=...)` must return a LongTensor
     whose rows start with the decoder start token (our T5 and HF's do); with num_beams > 1 it is also
     given `num_beams=` and `length_penalty=` (both models take them)."""
-    beam_args = _beam_settings(num_beams, length_penalty)
+    beam_args = beam_settings(num_beams, length_penalty)
     device = device or _model_device(model)
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -155,6 +163,8 @@ def generate_predictions(
             )
             for example, row in zip(batch_examples, out.tolist()):
                 predictions[example.id] = decode_generated(row, tokenizer)
+                if counts is not None:
+                    counts["generated_tokens"] = counts.get("generated_tokens", 0) + generated_length(row)
     finally:
         if was_training and hasattr(model, "train"):
             model.train()
@@ -184,28 +194,21 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_eval_files(out_dir: str | os.PathLike, rows: Sequence[dict], metrics: dict) -> None:
+    """predictions.jsonl (one row a line) and metrics.json of an evaluation, each written atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    _write_atomic(out / "metrics.json", json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
+
+
 def write_outputs(
     out_dir: str | os.PathLike, eval_set: EvalSet, predictions: dict[str, str], metrics: dict
 ) -> None:
     """predictions.jsonl ({"id", "task", "prediction", "references"}, in eval-set order) and metrics.json."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for ex in eval_set.examples:
-        ref = eval_set.references[ex.id]
-        lines.append(
-            json.dumps(
-                {
-                    "id": ex.id,
-                    "task": ex.task,
-                    "prediction": predictions[ex.id],
-                    "references": list(ref.references),
-                },
-                ensure_ascii=False,
-            )
-        )
-    _write_atomic(out / "predictions.jsonl", "\n".join(lines) + "\n")
-    _write_atomic(out / "metrics.json", json.dumps(metrics, indent=2, ensure_ascii=False) + "\n")
+    rows = [{"id": ex.id, "task": ex.task, "prediction": predictions[ex.id],
+             "references": list(eval_set.references[ex.id].references)} for ex in eval_set.examples]
+    write_eval_files(out_dir, rows, metrics)
 
 
 def evaluate_sni(
@@ -223,9 +226,11 @@ def evaluate_sni(
     length_penalty: float = 1.0,
 ) -> dict:
     """Generate, gather, score; rank 0 writes out_dir (if given). Every rank must call it and gets
-    the same metrics dict (see `rouge.sni_metrics`) plus "eval_seconds" and "decoding" (the
+    the same metrics dict (see `rouge.sni_metrics`) plus "eval_seconds", "generated_tokens" (all
+    ranks', each row up to its EOS) and "decoding" (the
     generation settings, so that greedy and beam-search results on disk say which they are)."""
     start = time.time()
+    counts: dict[str, int] = {}
     local = generate_predictions(
         model,
         eval_set.examples,
@@ -237,8 +242,10 @@ def evaluate_sni(
         device,
         num_beams=num_beams,
         length_penalty=length_penalty,
+        counts=counts,
     )
     predictions = gather_predictions(local, world_size, group)
+    generated = all_reduce_sum([float(counts.get("generated_tokens", 0))], device or _model_device(model))[0]
     lost = [ex.id for ex in eval_set.examples if ex.id not in predictions]
     if lost:
         raise RuntimeError(f"{len(lost)} instances got no prediction after gathering, e.g. {lost[:3]}")
@@ -248,8 +255,9 @@ def evaluate_sni(
         absent = [r.id for r in eval_set.expected if r.id not in eval_set.references]
         metrics = sni_metrics(predictions, eval_set.expected, absent_from_data=absent)
         metrics["eval_seconds"] = round(time.time() - start, 2)
+        metrics["generated_tokens"] = int(generated)
         metrics["decoding"] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams,
-                               **_beam_settings(num_beams, length_penalty)}  # fmt: skip
+                               **beam_settings(num_beams, length_penalty)}  # fmt: skip
         if out_dir is not None:
             write_outputs(out_dir, eval_set, predictions, metrics)
         logger.info(
