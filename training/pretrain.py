@@ -64,7 +64,7 @@ from training.run_setup import (
     start_engine,
 )
 from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
-from training.vocabulary import RunVocabulary, run_vocabulary
+from training.vocabulary import RunVocabulary, check_sentinel_count, run_vocabulary
 
 logger = logging.getLogger("t5ds.pretrain")
 
@@ -177,6 +177,7 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
     vocab = run_vocabulary(cfg.data.tokenizer, cfg.model.vocab_size)
+    check_sentinel_count(vocab, cfg.data.input_length, cfg.data.noise_density, cfg.data.mean_noise_span_length)
     model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from, vocab=vocab)
     train_batches, val_batches = span_corruption_data(cfg, model_cfg, vocab, dist_info)
     horizon = Horizon(total_steps=cfg.optim.total_steps)
