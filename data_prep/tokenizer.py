@@ -278,12 +278,13 @@ def write_hf_tokenizer(spiece_model: str | os.PathLike, out_dir: str | os.PathLi
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(spiece_model, out / "spiece.model")
-    proto = import_protobuf().ModelProto()
-    proto.ParseFromString((out / "spiece.model").read_bytes())
-    if not proto.trainer_spec.byte_fallback:
+    sp = spm.SentencePieceProcessor(model_file=str(out / "spiece.model"))
+    if not any(sp.is_byte(i) for i in range(sp.get_piece_size())):  # byte pieces exist with byte fallback only
         # Loading from a directory that holds spiece.model converts it properly in transformers 4 and 5.
         T5Tokenizer.from_pretrained(str(out), extra_ids=extra_ids).save_pretrained(str(out))
         return out
+    proto = import_protobuf().ModelProto()
+    proto.ParseFromString((out / "spiece.model").read_bytes())
     if not hasattr(SpmConverter, "build_tokenizer_from_spm_proto"):
         import transformers
 
