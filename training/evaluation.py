@@ -1,4 +1,5 @@
-"""Held-out loss and token accuracy of the span-corruption objective on the validation shards."""
+"""Held-out loss and token accuracy of the pre-training objective on the validation shards: T5 span
+corruption's, and for a mixture of denoisers each denoiser's (`evaluate_sets`)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ def evaluate_span_corruption(engine, batches: list[dict], device: torch.device) 
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss*tokens, correct, tokens
     for batch in batches:
         labels = batch["labels"].to(device, non_blocking=True)
-        out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True), labels=labels,
-                     return_logits=True)
+        mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
+        out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True), labels=labels, return_logits=True,
+                     attention_mask=None if mask is None else mask.to(device, non_blocking=True))
         mask = labels != -100
         tokens = mask.sum()
         correct = ((out.logits.argmax(dim=-1) == labels) & mask).sum()
@@ -35,3 +37,14 @@ def evaluate_span_corruption(engine, batches: list[dict], device: torch.device) 
     if tokens == 0:
         raise RuntimeError("validation produced no target tokens: check the validation shards")
     return {"eval_loss": loss_sum / tokens, "eval_accuracy": correct / tokens, "eval_tokens": int(tokens)}
+
+
+def evaluate_sets(engine, sets: dict[str, list[dict]], device: torch.device) -> dict:
+    """`evaluate_span_corruption` on each named set of `objectives.evaluation_sets()`: the set "" gives
+    eval_loss, eval_accuracy and eval_tokens; a denoiser NAME gives eval_loss/NAME and eval_accuracy/NAME."""
+    result = {}
+    for name, batches in sets.items():
+        figures = evaluate_span_corruption(engine, batches, device)
+        result.update({f"{key}/{name}" if name else key: value for key, value in figures.items()
+                       if name == "" or key != "eval_tokens"})
+    return result

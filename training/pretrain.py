@@ -1,4 +1,4 @@
-r"""Pre-train T5 v1.1 with T5 span corruption on DeepSpeed.
+r"""Pre-train T5 v1.1 with T5 span corruption (or UL2, prefix LM: `data.objective`) on DeepSpeed.
 
     python -m training.launch --num_gpus 8 training/pretrain.py --config training/configs/t5_base_c4.yaml
     deepspeed training/pretrain.py --config training/configs/t5_base_c4.yaml \
@@ -40,12 +40,13 @@ from training.cli_errors import expected_errors
 from training.compile_settings import log_first_step
 from training.config import RunConfig, eval_batch_size_per_rank, micro_batch_size
 from training.data import PretrainBatches, has_split, validation_batches
+from training.data.objectives import build_objective
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.ds_config import resolve_ds_config
-from training.evaluation import evaluate_span_corruption
+from training.evaluation import evaluate_sets
 from training.metrics import RemainingTime, train_line
 from training.model.config import T5Config
-from training.model.flops import model_flops_per_step
+from training.model.flops import samples_flops_per_step
 from training.nonfinite_watch import NonfiniteWatch, checkpoint_refusal
 from training.optim import weight_l2_norm
 from training.resume_policy import plan_resume
@@ -69,33 +70,35 @@ logger = logging.getLogger("t5ds.pretrain")
 
 
 @expected_errors("data.dir", ValueError, FileNotFoundError)  # the shards do not fit the run config
-def span_corruption_data(cfg: RunConfig, model_cfg: T5Config,
-                         dist_info: DistInfo) -> tuple[PretrainBatches, list[dict] | None]:
-    """This rank's training batches (a resumable stream) and validation batches (a fixed list; None when
-    the dataset has no validation split) of the span-corruption objective over the shards in `data.dir`."""
+def objective_data(cfg: RunConfig, model_cfg: T5Config,
+                   dist_info: DistInfo) -> tuple[PretrainBatches, dict[str, list[dict]] | None]:
+    """This rank's training batches (a resumable stream) and validation sets (named fixed lists of
+    batches, `objectives.evaluation_sets`; None when the dataset has no validation split) of the
+    objective `data.objective` over the shards in `data.dir`."""
     rank, world_size = dist_info.rank, dist_info.world_size
     objective = {
         "input_length": cfg.data.input_length, "noise_density": cfg.data.noise_density,
         "mean_noise_span_length": cfg.data.mean_noise_span_length,
         "expected_tokenizer_sha256": tokenizer_hash(cfg.data.tokenizer), "vocab_size": model_cfg.vocab_size,
     }
+    train_objective = build_objective(cfg.data)
     train_batches = PretrainBatches(
         cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_batch_size(cfg, world_size),
         grad_acc=cfg.optim.grad_acc, seed=cfg.seed, num_workers=cfg.data.num_workers,
         # Pinned host memory makes the copy to the GPU asynchronous; a pageable copy would block
         # the host until the GPU has finished the previous step, so no kernels could be queued ahead.
-        pin_memory=dist_info.device.type == "cuda", **objective,
+        pin_memory=dist_info.device.type == "cuda", objective=train_objective, **objective,
     )
     if not has_split(cfg.data.dir, "validation"):
         if rank == 0:
             logger.warning("%s has no validation split: evaluation is off for this run (shard one with "
                            "data_prep.shard --validation-input to evaluate)", cfg.data.dir)
         return train_batches, None
-    val_batches = list(validation_batches(
+    val_sets = {name: list(validation_batches(
         cfg.data.dir, rank=rank, world_size=world_size, batch_size=eval_batch_size_per_rank(cfg, world_size),
-        max_samples=cfg.eval.max_samples or None, seed=cfg.seed, **objective,
-    ))
-    return train_batches, val_batches
+        max_samples=cfg.eval.max_samples or None, seed=cfg.seed, objective=set_objective, **objective,
+    )) for name, set_objective in train_objective.evaluation_sets().items()}
+    return train_batches, val_sets
 
 
 class LogWindow:
@@ -109,12 +112,14 @@ class LogWindow:
     def reset(self) -> None:
         self.loss.zero_()
         self.steps = 0
+        self.tokens = 0  # real (unpadded) input + target tokens of this rank's micro-batches
+        self.flops = 0.0  # their model FLOPs (training.model.flops)
         self.data_wait = 0.0  # seconds spent waiting in next(train_batches)
         self.start = time.perf_counter()
 
 
 def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, clip, window: LogWindow,
-               want_grad_norm: bool):
+               want_grad_norm: bool, model_cfg: T5Config):
     """One optimizer step over `optim.grad_acc` micro-batches; adds its loss to `window`. Returns the
     gradient norm before clipping where the loop has it (None: the engine's, or none)."""
     grad_l2 = None
@@ -123,8 +128,15 @@ def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, cli
         wait_start = time.perf_counter()
         batch = next(batches)
         window.data_wait += time.perf_counter() - wait_start
+        mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
+        input_lengths = torch.full((len(batch["input_ids"]),), batch["input_ids"].shape[1]) if mask is None \
+            else mask.sum(1)
+        target_lengths = (batch["labels"] != -100).sum(1)
+        window.tokens += int(input_lengths.sum() + target_lengths.sum())
+        window.flops += samples_flops_per_step(model_cfg, input_lengths.numpy(), target_lengths.numpy())
         out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
-                     labels=batch["labels"].to(device, non_blocking=True), return_logits=False)
+                     labels=batch["labels"].to(device, non_blocking=True), return_logits=False,
+                     attention_mask=None if mask is None else mask.to(device, non_blocking=True))
         engine.backward(out.loss)
         last_micro = micro == cfg.optim.grad_acc - 1
         if last_micro and engine.zero_optimization_stage() == 0:
@@ -151,7 +163,7 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
     model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from)
-    train_batches, val_batches = span_corruption_data(cfg, model_cfg, dist_info)
+    train_batches, val_sets = objective_data(cfg, model_cfg, dist_info)
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     setup_complete(dist_info)  # every rank is set up, or every rank stops here and one prints the error
@@ -179,12 +191,14 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
                           **({"config_changes": resume.changes} if resume_from else {})})
 
     def run_eval() -> dict | None:
-        if val_batches is None:  # no validation split
+        if val_sets is None:  # no validation split
             return None
-        result = evaluate_span_corruption(engine, val_batches, device)
-        metrics.log("eval", {"step": step, **result})
-        logger.info("[eval] Step %d | Loss --> %.4f | Accuracy --> %.4f | Tokens --> %d", step,
-                    result["eval_loss"], result["eval_accuracy"], result["eval_tokens"])
+        result = evaluate_sets(engine, val_sets, device)
+        metrics.log("eval", {"step": step, "objective": cfg.data.objective, **result})
+        logger.info("[eval] Step %d | Loss --> %.4f | Accuracy --> %.4f | Tokens --> %d%s", step,
+                    result["eval_loss"], result["eval_accuracy"], result["eval_tokens"],
+                    "".join(f" | {k[len('eval_loss/'):]} --> {v:.4f}" for k, v in result.items()
+                            if k.startswith("eval_loss/")))
         return result
 
     def save_checkpoint() -> None:
@@ -202,9 +216,6 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
         metrics.log("event", {"step": step, "event": "checkpoint", "path": str(path)})
 
     # --- the loop ---------------------------------------------------------------------------
-    target_length = train_batches.target_length
-    tokens_per_step = cfg.optim.batch_size * (cfg.data.input_length + target_length)
-    flops_per_step = model_flops_per_step(model_cfg, cfg.optim.batch_size, cfg.data.input_length, target_length)
     peak_tflops = matmul_peak_tflops(device)  # None on CPU: MFU is reported on GPUs only
     exit_code = 0
     skips = NonfiniteWatch(optimizer, engine, skipped_before=skipped_before)
@@ -214,7 +225,8 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     engine.train()
     while step < horizon.total_steps:
         log_now = (step + 1) % cfg.logging.every_steps == 0 or step + 1 == horizon.total_steps
-        grad_l2 = train_step(engine, model, train_batches, cfg, device, clip, window, want_grad_norm=log_now)
+        grad_l2 = train_step(engine, model, train_batches, cfg, device, clip, window, want_grad_norm=log_now,
+                             model_cfg=model_cfg)
         step += 1
         window.steps += 1
         budget.mark_step(step)
@@ -236,17 +248,18 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
             break
 
         if log_now:
-            loss = all_reduce_sum([window.loss.item()], device)[0] / (world_size * window.steps)
+            loss, tokens, flops = all_reduce_sum([window.loss.item(), window.tokens, window.flops], device)
+            loss /= world_size * window.steps
             seconds_per_step = (time.perf_counter() - window.start) / window.steps
             if grad_l2 is None:
                 grad_l2 = engine.get_global_grad_norm()
             record = {
-                "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                "step": step, "objective": cfg.data.objective, "loss": loss, "lr": scheduler.get_last_lr()[0],
                 "grad_l2": None if grad_l2 is None else float(grad_l2),
                 "weights_l2": weight_l2_norm(optimizer),
-                "seconds_per_step": seconds_per_step, "tokens_per_s": tokens_per_step / seconds_per_step,
+                "seconds_per_step": seconds_per_step, "tokens_per_s": tokens / window.steps / seconds_per_step,
                 "mfu": None if peak_tflops is None
-                else flops_per_step / seconds_per_step / (peak_tflops * 1e12 * world_size),
+                else flops / window.steps / seconds_per_step / (peak_tflops * 1e12 * world_size),
                 "skipped_steps": skips.skipped, "elapsed_s": budget.elapsed_s(),
                 # seconds per step this rank waited for the loader (0 when it keeps ahead of the GPU)
                 "data_wait_s": window.data_wait / window.steps,

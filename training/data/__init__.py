@@ -1,5 +1,6 @@
-"""Pre-training data: T5 span corruption and the loader with a resumable global cursor."""
+"""Pre-training data: objectives (T5 span corruption, UL2, prefix LM) and the loader with a resumable global cursor."""
 
+from training.data.objectives import OBJECTIVES, build_objective
 from training.data.permutation import EpochPermutation
 from training.data.pretrain_loader import (
     Cursor,
@@ -13,12 +14,14 @@ from training.data.span_corruption import SpanCorruption, expand_sentinels, nois
 
 __all__ = [
     "Cursor",
+    "OBJECTIVES",
     "EpochPermutation",
     "PretrainBatches",
     "RowStore",
     "SpanCorruption",
     "SplitInfo",
     "ValidationBatches",
+    "build_objective",
     "expand_sentinels",
     "has_split",
     "micro_batch_sample_indices",
