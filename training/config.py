@@ -149,13 +149,13 @@ class Denoiser:
 # UL2 (Tay et al. 2022): R-denoisers [NLU], X-denoisers [NLG], the S-denoiser (prefix LM) [S2S]; the
 # S-denoiser takes 20% of the samples, the six span denoisers share the rest equally.
 UL2_DENOISERS = (
-    Denoiser("span", 0.15, 3.0, mode_token="[NLU]", weight=4.0),
-    Denoiser("span", 0.15, 8.0, mode_token="[NLU]", weight=4.0),
-    Denoiser("span", 0.5, 3.0, mode_token="[NLG]", weight=4.0),
-    Denoiser("span", 0.5, 8.0, mode_token="[NLG]", weight=4.0),
-    Denoiser("span", 0.15, 64.0, mode_token="[NLG]", weight=4.0),
-    Denoiser("span", 0.5, 64.0, mode_token="[NLG]", weight=4.0),
-    Denoiser("prefix", 0.25, mode_token="[S2S]", weight=6.0),
+    Denoiser("span", 0.15, 3.0, mode_token="[NLU]", weight=4.0, name="R_mu3_r0.15"),
+    Denoiser("span", 0.15, 8.0, mode_token="[NLU]", weight=4.0, name="R_mu8_r0.15"),
+    Denoiser("span", 0.5, 3.0, mode_token="[NLG]", weight=4.0, name="X_mu3_r0.5"),
+    Denoiser("span", 0.5, 8.0, mode_token="[NLG]", weight=4.0, name="X_mu8_r0.5"),
+    Denoiser("span", 0.15, 64.0, mode_token="[NLG]", weight=4.0, name="X_mu64_r0.15"),
+    Denoiser("span", 0.5, 64.0, mode_token="[NLG]", weight=4.0, name="X_mu64_r0.5"),
+    Denoiser("prefix", 0.25, mode_token="[S2S]", weight=6.0, name="S_prefix_r0.25"),
 )
 PREFIX_LM_DENOISERS = (Denoiser("prefix", 0.25),)
 

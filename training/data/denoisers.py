@@ -73,19 +73,19 @@ def resolve(denoiser, mode_ids: tuple[int, ...], row_length: int, input_length: 
     what to change when it cannot."""
     args = (denoiser.kind, denoiser.rate, denoiser.mean_span, denoiser.spans)
     room = input_length - len(mode_ids)
-    raw = row_length
-    try:
-        while raw >= 2 and _span_lengths(*args, raw)[0] > room:
-            raw -= 1
-        if raw < 2:
-            raise ValueError("no row prefix fits")
-        inputs, targets = _span_lengths(*args, raw)
-        spec = DenoiserSpec(denoiser.name, *args, mode_ids, raw, inputs + len(mode_ids), targets)
-        spans = spec.span_counts(raw)[1] if denoiser.kind == "span" else 0
-    except ValueError as err:
+    for raw in range(row_length, 1, -1):  # the longest start of the row that fits
+        try:
+            inputs, targets = _span_lengths(*args, raw)
+        except ValueError:  # more spans than tokens to separate them at this length
+            continue
+        if inputs <= room:
+            break
+    else:
         raise ValueError(f"denoiser {denoiser.name} cannot fit rows of {row_length} tokens into inputs of "
-                         f"{input_length} ({err}): change its rate/mean_span/spans, or re-shard with a larger "
-                         "--input-length and raise data.input_length") from None
+                         f"{input_length}: change its rate/mean_span/spans, or re-shard with a larger "
+                         "--input-length and raise data.input_length")
+    spec = DenoiserSpec(denoiser.name, *args, mode_ids, raw, inputs + len(mode_ids), targets)
+    spans = spec.span_counts(raw)[1] if denoiser.kind == "span" else 0
     if spans > num_sentinels:
         raise ValueError(f"denoiser {denoiser.name} masks {spans} spans but the vocabulary has {num_sentinels} "
                          "sentinels: raise its mean_span or lower its rate")
