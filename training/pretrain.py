@@ -114,6 +114,8 @@ class LogWindow:
         self.steps = 0
         self.tokens = 0  # real (unpadded) input + target tokens of this rank's micro-batches
         self.flops = 0.0  # their model FLOPs (training.model.flops)
+        self.targets = 0  # real target tokens, and label positions (padding included), of the micro-batches
+        self.target_positions = 0
         self.data_wait = 0.0  # seconds spent waiting in next(train_batches)
         self.start = time.perf_counter()
 
@@ -137,7 +139,14 @@ def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, cli
         out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
                      labels=batch["labels"].to(device, non_blocking=True), return_logits=False,
                      attention_mask=None if mask is None else mask.to(device, non_blocking=True))
-        engine.backward(out.loss)
+        targets, positions = int(target_lengths.sum()), batch["labels"].numel()
+        window.targets += targets
+        window.target_positions += positions
+        # Targets of varying length (denoising objectives): the loss is the token losses' sum over the
+        # micro-batch's label positions, a constant, so that every split of the global batch over ranks
+        # and micro-steps gives the same gradient (a mean per micro-batch would weight tokens unevenly).
+        loss = out.loss if mask is None else out.loss * (targets / positions)
+        engine.backward(loss)
         last_micro = micro == cfg.optim.grad_acc - 1
         if last_micro and engine.zero_optimization_stage() == 0:
             # ZeRO 1-3 clip inside DeepSpeed and record the pre-clipping norm; with ZeRO 0 the loop
@@ -150,8 +159,8 @@ def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, cli
         engine.step()  # DeepSpeed applies the update only at the gradient-accumulation boundary
         if clip is not None and last_micro:
             grad_l2 = clip.last_norm()
-        window.loss += out.loss.detach().float() / cfg.optim.grad_acc
-        window.last_step_loss += out.loss.detach().float() / cfg.optim.grad_acc
+        window.loss += loss.detach().float() / cfg.optim.grad_acc
+        window.last_step_loss += loss.detach().float() / cfg.optim.grad_acc
     return grad_l2
 
 
@@ -248,8 +257,11 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
             break
 
         if log_now:
-            loss, tokens, flops = all_reduce_sum([window.loss.item(), window.tokens, window.flops], device)
+            loss, tokens, flops, targets, positions = all_reduce_sum(
+                [window.loss.item(), window.tokens, window.flops, window.targets, window.target_positions], device)
             loss /= world_size * window.steps
+            if targets != positions:  # padded targets: the mean per real target token
+                loss *= positions / targets
             seconds_per_step = (time.perf_counter() - window.start) / window.steps
             if grad_l2 is None:
                 grad_l2 = engine.get_global_grad_norm()
