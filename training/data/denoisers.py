@@ -119,27 +119,31 @@ class DenoiserMixture:
         """The first draw of a sample's generator: its denoiser."""
         return min(int(np.searchsorted(self._cumulative, rng.random(), side="right")), len(self.specs) - 1)
 
-    def sample(self, row: np.ndarray, rng: np.random.Generator) -> tuple[int, list[int], list[int]]:
+    def sample(self, row: np.ndarray, rng: np.random.Generator) -> tuple[int, np.ndarray, np.ndarray]:
         """(denoiser index, inputs, targets) of one row (EOS included, no padding)."""
         index = self.choose(rng)
         spec = self.specs[index]
-        row = row[: spec.raw_length].tolist()
-        length = len(row)
+        row = row[: spec.raw_length]
+        length, mode, eos = len(row), np.array(spec.mode_ids, dtype=np.int64), np.array([self.eos_id])
         if spec.kind == "prefix":
             split = int(rng.integers(_min_prefix(spec.rate, length), length))
-            return index, [*spec.mode_ids, *row[:split], self.eos_id], [*row[split:], self.eos_id]
+            return index, np.concatenate([mode, row[:split], eos]), np.concatenate([row[split:], eos])
         num_noise, num_spans = spec.span_counts(length)
         noise_starts = segment_starts(rng, num_noise, num_spans)  # the draw order of SpanCorruption
         keep_starts = segment_starts(rng, length - num_noise, num_spans)
-        noise_lengths = np.diff(noise_starts, append=num_noise).tolist()
-        keep_lengths = np.diff(keep_starts, append=length - num_noise).tolist()
-        inputs, targets, at = list(spec.mode_ids), [], 0
-        for k, (keep, noise) in enumerate(zip(keep_lengths, noise_lengths)):
-            sentinel = self.sentinel_start_id - k
-            inputs += [*row[at : at + keep], sentinel]
-            targets += [sentinel, *row[at + keep : at + keep + noise]]
-            at += keep + noise
-        return index, [*inputs, self.eos_id], [*targets, self.eos_id]
+        segments = np.empty(2 * num_spans, dtype=np.int64)  # keep_0, noise_0, keep_1, noise_1, ...
+        segments[0::2] = np.diff(keep_starts, append=length - num_noise)
+        segments[1::2] = np.diff(noise_starts, append=num_noise)
+        starts = np.cumsum(segments) - segments
+        noise = np.repeat(np.tile([False, True], num_spans), segments)
+        sentinels = self.sentinel_start_id - np.arange(num_spans)
+        # Inputs: kept tokens, each noise span replaced by its sentinel; targets: each sentinel, then its span.
+        values, keep = row.copy(), ~noise
+        values[starts[1::2]], keep[starts[1::2]] = sentinels, True
+        inputs = values[keep]
+        values, take = row.copy(), noise.copy()
+        values[starts[0::2]], take[starts[0::2]] = sentinels, True
+        return index, np.concatenate([mode, inputs, eos]), np.concatenate([values[take], eos])
 
     def make(self, rows: np.ndarray, sample_indices, seed: int, stream: int) -> dict[str, np.ndarray]:
         """Rows int[B, L] -> input_ids int64[B, input_length] (pad_id padded), attention_mask,
