@@ -119,6 +119,22 @@ class LogWindow:
         self.data_wait = 0.0  # seconds spent waiting in next(train_batches)
         self.start = time.perf_counter()
 
+    def count(self, batch: dict, model_cfg: T5Config) -> float:
+        """Add a micro-batch's real tokens and FLOPs; return the factor of its mean token loss that makes
+        it the sum of its token losses over its label positions. Targets of varying length (denoising
+        objectives) need that constant denominator for every split of the global batch over ranks and
+        micro-steps to give the same gradient (a mean per micro-batch weights tokens unevenly)."""
+        mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
+        input_lengths = torch.full((len(batch["input_ids"]),), batch["input_ids"].shape[1]) if mask is None \
+            else mask.sum(1)
+        target_lengths = (batch["labels"] != -100).sum(1)
+        targets, positions = int(target_lengths.sum()), batch["labels"].numel()
+        self.tokens += int(input_lengths.sum()) + targets
+        self.flops += samples_flops_per_step(model_cfg, input_lengths.numpy(), target_lengths.numpy())
+        self.targets += targets
+        self.target_positions += positions
+        return 1.0 if mask is None else targets / positions
+
 
 def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, clip, window: LogWindow,
                want_grad_norm: bool, model_cfg: T5Config):
@@ -130,22 +146,12 @@ def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, cli
         wait_start = time.perf_counter()
         batch = next(batches)
         window.data_wait += time.perf_counter() - wait_start
+        scale = window.count(batch, model_cfg)
         mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
-        input_lengths = torch.full((len(batch["input_ids"]),), batch["input_ids"].shape[1]) if mask is None \
-            else mask.sum(1)
-        target_lengths = (batch["labels"] != -100).sum(1)
-        window.tokens += int(input_lengths.sum() + target_lengths.sum())
-        window.flops += samples_flops_per_step(model_cfg, input_lengths.numpy(), target_lengths.numpy())
         out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
                      labels=batch["labels"].to(device, non_blocking=True), return_logits=False,
                      attention_mask=None if mask is None else mask.to(device, non_blocking=True))
-        targets, positions = int(target_lengths.sum()), batch["labels"].numel()
-        window.targets += targets
-        window.target_positions += positions
-        # Targets of varying length (denoising objectives): the loss is the token losses' sum over the
-        # micro-batch's label positions, a constant, so that every split of the global batch over ranks
-        # and micro-steps gives the same gradient (a mean per micro-batch would weight tokens unevenly).
-        loss = out.loss if mask is None else out.loss * (targets / positions)
+        loss = out.loss if scale == 1.0 else out.loss * scale
         engine.backward(loss)
         last_micro = micro == cfg.optim.grad_acc - 1
         if last_micro and engine.zero_optimization_stage() == 0:

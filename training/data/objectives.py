@@ -11,7 +11,7 @@ stream) (`span_corruption.sample_generator`), never from the batch, rank or work
 maps `data.objective` to its builder:
 
 - span_corruption: T5's (`SpanCorruption`), the default; batches {input_ids, labels}, bit for bit
-  what the loader built before objectives were pluggable.
+  `SpanCorruption.corrupt`'s.
 - ul2: UL2's mixture of denoisers (`denoisers.py`); batches add attention_mask (inputs are padded)
   and denoiser (the index of each sample's denoiser).
 - prefix_lm: the S-denoiser alone, same batches as ul2.

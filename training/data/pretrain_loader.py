@@ -249,7 +249,9 @@ class PretrainBatches:
     Each item is {"input_ids": int64[micro_batch_size, input_length], "labels": int64[micro_batch_size,
     targets_length]} (labels are -100 only where padded, which never happens at the standard lengths),
     plus "sample_index" and "row_index" (int64[micro_batch_size]) when include_indices=True. Every
-    grad_acc consecutive items make this rank's share of one optimizer step.
+    grad_acc consecutive items make this rank's share of one optimizer step. `objective`
+    (`objectives.build_objective`) replaces the span corruption the length and noise arguments set;
+    its batches may add keys (attention_mask, denoiser).
     """
 
     def __init__(
