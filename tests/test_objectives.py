@@ -154,3 +154,11 @@ def test_denoisers_that_cannot_run_are_one_line_errors(spiece_path, denoiser, me
     with pytest.raises(ConfigError, match=message) as err:
         build_objective(data)
     assert "\n" not in str(err.value)
+
+
+def test_the_shipped_ul2_config_is_the_default_mixture():
+    cfg = load_run_config("training/configs/ul2_base_c4.yaml", [])
+    assert cfg.data.objective == "ul2" and cfg.data.denoisers == UL2_DENOISERS
+    assert cfg.data.objective_denoisers == load_run_config("training/configs/t5_base_c4.yaml", [
+        "data.objective=ul2"]).data.objective_denoisers
+    assert cfg.model.preset == "base" and cfg.data.input_length == 512

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 
 @torch.no_grad()
-def evaluate_span_corruption(engine, batches: list[dict], device: torch.device) -> dict:
+def evaluate_batches(engine, batches: list[dict], device: torch.device) -> dict:
     """Token-weighted mean loss and accuracy over this rank's `batches`, summed over all ranks.
 
     `batches` comes from `training.data.validation_batches`, which gives every rank the same number
@@ -40,11 +40,11 @@ def evaluate_span_corruption(engine, batches: list[dict], device: torch.device) 
 
 
 def evaluate_sets(engine, sets: dict[str, list[dict]], device: torch.device) -> dict:
-    """`evaluate_span_corruption` on each named set of `objectives.evaluation_sets()`: the set "" gives
+    """`evaluate_batches` on each named set of `objectives.evaluation_sets()`: the set "" gives
     eval_loss, eval_accuracy and eval_tokens; a denoiser NAME gives eval_loss/NAME and eval_accuracy/NAME."""
     result = {}
     for name, batches in sets.items():
-        figures = evaluate_span_corruption(engine, batches, device)
+        figures = evaluate_batches(engine, batches, device)
         result.update({f"{key}/{name}" if name else key: value for key, value in figures.items()
                        if name == "" or key != "eval_tokens"})
     return result

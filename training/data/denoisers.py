@@ -104,7 +104,6 @@ class DenoiserMixture:
         self.input_length = input_length
         longest = max(s.max_target for s in specs)
         self.target_length = -(-longest // _ALIGN) * _ALIGN
-        self.row_length = max(s.raw_length for s in specs)
         self.sentinel_start_id, self.eos_id, self.pad_id = sentinel_start_id, eos_id, pad_id
 
     def only(self, index: int) -> DenoiserMixture:
