@@ -178,6 +178,8 @@ def test_refuses_a_cursor_of_other_corpora_or_weights(corpora):
     (["data.dir=null", "data.sources=[{dir: a, weight: -1}, {dir: b}]"], r"data.sources\[0\].weight=-1.0"),
     (["data.dir=null", "data.sources=[{weight: 1}]"], r"data.sources\[0\].dir must name a directory"),
     (["data.dir=null", "data.sources=[{dir: x/c4}, {dir: y/c4}]"], "the same name twice"),
+    (["data.dir=null", "data.sources=[{dir: x/c4}, {dir: y/R_mu3_r0.15}]", "data.objective=ul2"],
+     r"data.sources and the denoisers both use the name\(s\) \['R_mu3_r0.15'\]"),
 ])
 def test_bad_sources_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
