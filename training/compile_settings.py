@@ -9,6 +9,8 @@ the T5 blocks under ZeRO 3 with the same `compile_options` (less PDL); the step 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
@@ -56,6 +58,20 @@ def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:
     model.forward = torch.compile(model.forward, fullgraph=True, options=compile_options(mode))
 
 
+def use_compile_cache(setting: str | None, run_cache: Path) -> Path | None:
+    """Point torch.compile's caches at the one `model.compile_cache` names ("run": `run_cache`, the run
+    directory's; a directory; None: torch's own), before anything compiles: inductor's (FX graphs,
+    AOTAutograd, autotuning) through TORCHINDUCTOR_CACHE_DIR and Triton's kernel binaries, the
+    model's own kernels included, through TRITON_CACHE_DIR. The caches write each entry atomically,
+    so ranks on one or many nodes can share one. Returns the directory (None: unchanged)."""
+    if setting is None:
+        return None
+    path = (run_cache if setting == "run" else Path(setting)).resolve()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    return path
+
+
 def compile_cache_outcomes() -> dict[str, int]:
     """How often AOTAutograd's compile cache hit, missed or stepped aside ("bypass") in this process so
     far, nonzero counts only: {} where nothing was compiled (CPU runs, `model.compile=false`)."""
@@ -78,6 +94,7 @@ def log_first_step(metrics, step: int, seconds: float) -> None:
         hint = (" The cache stepped aside for part of it, so every run compiles that part again "
                 "(an autograd.Function or an autocast context inside the compiled graph does that).")  # fmt: skip
     elif "hit" not in outcomes:  # compiled from scratch
-        hint = (" A later run of the same code, model and shapes on this machine loads it from "
-                "TORCHINDUCTOR_CACHE_DIR instead (default /tmp/torchinductor_$USER).")  # fmt: skip
+        hint = (" A later run of the same code, model and shapes loads it from the compile cache "
+                f"instead ({os.environ.get('TORCHINDUCTOR_CACHE_DIR', '/tmp/torchinductor_$USER')}; "
+                "model.compile_cache).")  # fmt: skip
     logger.info("first step launched in %.1f s, torch.compile included (compile cache: %s).%s", seconds, cache, hint)

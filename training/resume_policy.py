@@ -50,6 +50,7 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "model.compile": (APPLIES, "how the same model is run"),
     "model.compile_mode": (APPLIES, "how the same model is run"),
     "model.zero3_compile": (APPLIES, "how the same model is run"),
+    "model.compile_cache": (APPLIES, "where compiled code is kept; a new place compiles again"),
     "task.kind": (REFUSED, "the examples whose order the step count indexes are the task's"),
     "task.name": (APPLIES, "a name in logs and tables"),
     "task.input": (REFUSED, "it changes the encoded examples whose order the step count indexes"),
