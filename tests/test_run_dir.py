@@ -180,18 +180,19 @@ def test_config_yaml_of_a_run_is_plain_yaml(tmp_path):
     assert data["optim"]["betas"] == [0.9, 0.999] and data["model"]["preset"] == "base"
 
 
-@pytest.mark.parametrize("setting", ["run", "shared", None])
+@pytest.mark.parametrize("setting", ["user", "run", "shared", None])
 def test_the_compile_cache_is_the_one_the_config_names(tmp_path, monkeypatch, setting):
-    """model.compile_cache points inductor's and Triton's caches at the run directory, at a shared
-    directory, or (null) leaves torch's own choice alone."""
+    """model.compile_cache points inductor's and Triton's caches at the user's cache, the run
+    directory or a shared directory, or (null) leaves torch's own choice alone."""
     from training.compile_settings import use_compile_cache
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     run = RunDir(tmp_path / "run")
-    chosen = use_compile_cache(None if setting is None else "run" if setting == "run" else str(tmp_path / setting),
-                               run.compile_cache)
-    expected = {"run": run.compile_cache, "shared": tmp_path / "shared", None: None}[setting]
+    chosen = use_compile_cache(str(tmp_path / setting) if setting == "shared" else setting, run.compile_cache)
+    expected = {"user": tmp_path / "xdg" / "t5ds" / "compile", "run": run.compile_cache,
+                "shared": tmp_path / "shared", None: None}[setting]
     assert chosen == expected
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(expected or "/elsewhere")
     assert os.environ.get("TRITON_CACHE_DIR") == (None if expected is None else str(expected / "triton"))

@@ -58,17 +58,26 @@ def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:
     model.forward = torch.compile(model.forward, fullgraph=True, options=compile_options(mode))
 
 
-def use_compile_cache(setting: str | None, run_cache: Path) -> Path | None:
-    """Point torch.compile's caches at the one `model.compile_cache` names ("run": `run_cache`, the run
-    directory's; a directory; None: torch's own), before anything compiles: inductor's (FX graphs,
-    AOTAutograd, autotuning) through TORCHINDUCTOR_CACHE_DIR and Triton's kernel binaries, the
-    model's own kernels included, through TRITON_CACHE_DIR. The caches write each entry atomically,
-    so ranks on one or many nodes can share one. Returns the directory (None: unchanged)."""
+def compile_cache_dir(setting: str | None, run_cache: Path) -> Path | None:
+    """The directory `model.compile_cache` names: "user" the user's cache ($XDG_CACHE_HOME/t5ds/compile,
+    by default ~/.cache/t5ds/compile), "run" `run_cache` (the run directory's), else that directory;
+    None for torch's own."""
     if setting is None:
         return None
-    path = (run_cache if setting == "run" else Path(setting)).resolve()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    if setting == "user":
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "t5ds" / "compile"
+    return (run_cache if setting == "run" else Path(setting).expanduser()).resolve()
+
+
+def use_compile_cache(setting: str | None, run_cache: Path) -> Path | None:
+    """Point torch.compile's caches at `compile_cache_dir(setting, run_cache)` before anything compiles:
+    inductor's (FX graphs, AOTAutograd, autotuning) through TORCHINDUCTOR_CACHE_DIR, and Triton's kernel
+    binaries, the model's own kernels included, through TRITON_CACHE_DIR. The caches write each entry
+    atomically, so ranks on one or many nodes can share one. Returns the directory (None: unchanged)."""
+    path = compile_cache_dir(setting, run_cache)
+    if path is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
     return path
 
 

@@ -95,12 +95,13 @@ class ModelConfig:
     zero3_compile: str = "blocks"
     """What `compile` compiles under ZeRO 3: blocks (each T5 block one graph, its parameters gathered
     in one all-gather) | pointwise (only the RMS norms and gated GELUs). training/zero3_compile.py."""
-    compile_cache: str | None = "run"
-    """Where torch.compile keeps what it compiled (inductor's and Triton's caches): run (the run
-    directory's compile_cache/, which every rank and every restart of the run, a requeue on another
-    node included, reads: a warm first step instead of a cold compile) | a directory (shared by
-    runs: one that compiled a model spares the next of the same code and shapes) | null (torch's own:
-    TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_$USER, on each node)."""
+    compile_cache: str | None = "user"
+    """Where torch.compile keeps what it compiled (inductor's and Triton's caches), so that a later
+    process of the same code and shapes starts warm: user ($XDG_CACHE_HOME/t5ds/compile, by default
+    ~/.cache/t5ds/compile: every run of this user, and on a cluster whose home directories are shared
+    every node, so a requeue elsewhere too) | run (the run directory's compile_cache/: this run's
+    ranks and restarts only) | a directory | null (torch's own: TORCHINDUCTOR_CACHE_DIR, else
+    /tmp/torchinductor_$USER, per node)."""
     init_from: str | None = None
     """Optional weights to start from: a Hugging Face model dir or a nanoT5 state dict (.pt/.bin)."""
 
@@ -121,7 +122,7 @@ class ModelConfig:
             "model.init_from must be a path or null",
         )
         _check(self.compile_cache is None or bool(self.compile_cache),
-               "model.compile_cache must be run, a directory or null")
+               "model.compile_cache must be user, run, a directory or null")
 
 
 @dataclass
