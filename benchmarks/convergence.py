@@ -3,7 +3,8 @@
 Runs `training/pretrain.py` (real shards, a shipped run config, one ds_config) once per variant and
 seed, with evaluation on the shards' validation split every --eval-every steps, and prints one row
 per run (held-out loss at each evaluation, held-out token accuracy and the mean train loss of the
-last logging window at the end, s/step, peak GPU memory), then per variant the mean final held-out
+last logging window at the end, s/step, peak GPU memory; for ul2 / prefix_lm a second line with
+each denoiser's final held-out loss), then per variant the mean final held-out
 loss over the seeds and its gap to the first variant, next to the spread between seeds. Within
 one variant the seed sets the initial weights and the data order; across variants each seed is
 the same, so a variant's gap is read against how far the seeds (and repeated runs) differ.
@@ -49,8 +50,7 @@ def parse_variants(text: str) -> dict[str, list[str]]:
                              f"(an empty OVERRIDES runs the config as shipped)")
         if name in variants:
             raise SystemExit(f"--variants names {name!r} twice; give each variant its own name")
-        bad = [o for o in overrides.split() if "=" not in o]
-        if bad:
+        if bad := [o for o in overrides.split() if "=" not in o]:
             raise SystemExit(f"--variants {name}: {bad} are not key=value run-config overrides")
         variants[name] = overrides.split()
     if not variants:
@@ -74,6 +74,7 @@ def run_figures(metrics_path: Path) -> dict | None:
         "eval_losses": [by_step[s]["eval_loss"] for s in sorted(by_step)],
         "final_eval_loss": last["eval_loss"],
         "final_eval_accuracy": last["eval_accuracy"],
+        "denoiser_losses": {k[len("eval_loss/"):]: v for k, v in last.items() if k.startswith("eval_loss/")},
         "final_step": max(by_step),
         "train_loss_end": train[-1]["loss"] if train else None,
     }
@@ -128,6 +129,8 @@ def print_table(rows: list[dict]) -> None:
         train = f"{r['train_loss_end']:.3f}" if r["train_loss_end"] is not None else "-"
         print(f"{r['variant']:<14}{r['seed']:>5}  {losses:<44}{r['final_eval_accuracy']:>7.4f}{train:>8}{speed:>8}"
               f"{gib:>6}", flush=True)
+        if r.get("denoiser_losses"):  # ul2 / prefix_lm runs: each denoiser's held-out loss at the end
+            print("    " + ", ".join(f"{k} {v:.4f}" for k, v in r["denoiser_losses"].items()), flush=True)
     print()
     for s in summarise_variants(rows):
         gap = f"{s['mean_gap_to_first']:+.4f}" if s["mean_gap_to_first"] is not None else "-"
@@ -178,8 +181,7 @@ def main() -> int:
             if args.table_only:
                 continue
             out.mkdir(parents=True, exist_ok=True)
-            if metrics_path.exists():  # a run cut short starts over (the schedule is the comparison); its
-                # records are kept beside it
+            if metrics_path.exists():  # a run cut short starts over (the schedule is the comparison), its records kept
                 metrics_path.rename(out / f"metrics.cut_short.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
             start = time.time()
             proc = start_run(cmd, log_path)
@@ -194,9 +196,8 @@ def main() -> int:
             continue
         if not speed:  # a run kept from an earlier invocation: its speed from its metrics.jsonl
             speed = summarise(out, 0, log_path, 0.0)
-        row = {"variant": name, "seed": seed, "overrides": variant_overrides, **figures,
-               "s_per_step": speed.get("s_per_step"), "peak_gib": speed.get("peak_gib")}
-        rows.append(row)
+        rows.append({"variant": name, "seed": seed, "overrides": variant_overrides, **figures,
+                     "s_per_step": speed.get("s_per_step"), "peak_gib": speed.get("peak_gib")})
         print(f"done: {name} seed {seed}: held-out loss {figures['final_eval_loss']:.4f} at step "
               f"{figures['final_step']}", flush=True)
     if not rows:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.test_pretrain import (
     STEPS,
@@ -178,6 +179,8 @@ def test_refuses_a_cursor_of_other_corpora_or_weights(corpora):
     (["data.dir=null", "data.sources=[{dir: a, weight: -1}, {dir: b}]"], r"data.sources\[0\].weight=-1.0"),
     (["data.dir=null", "data.sources=[{weight: 1}]"], r"data.sources\[0\].dir must name a directory"),
     (["data.dir=null", "data.sources=[{dir: x/c4}, {dir: y/c4}]"], "the same name twice"),
+    (["data.dir=null", "data.sources=[{dir: x/c4}, {dir: y/R_mu3_r0.15}]", "data.objective=ul2"],
+     r"data.sources and the denoisers both use the name\(s\) \['R_mu3_r0.15'\]"),
 ])
 def test_bad_sources_are_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -245,3 +248,26 @@ def test_a_mixture_run_on_two_ranks_resumes_on_one(mixture_run, corpora, tmp_pat
         assert got_resumed[step] == pytest.approx(got[step], rel=1e-4), step
     assert_weights_close(final_weights(resumed), final_weights(two), rtol=1e-4)
 
+
+
+def test_a_mixture_of_corpora_under_denoisers_reports_each_corpus_and_each_denoiser():
+    """evaluate_mixture: each corpus's span-corruption figures, and every figure (each denoiser's
+    included) as the mean over the corpora weighted by their shares."""
+    from training.evaluation import evaluate_mixture, evaluate_sets
+    from training.model import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math"))
+
+    def batches(seed: int) -> list[dict]:
+        g = torch.Generator().manual_seed(seed)
+        return [{"input_ids": torch.randint(2, 500, (2, 12), generator=g),
+                 "labels": torch.randint(2, 500, (2, 5), generator=g)}]
+
+    sets = {"c4": {"": batches(0), "R": batches(1)}, "wiki": {"": batches(2), "R": batches(3)}}
+    result = evaluate_mixture(model, sets, {"c4": 0.75, "wiki": 0.25}, torch.device("cpu"))
+    per_source = {name: evaluate_sets(model, s, torch.device("cpu")) for name, s in sets.items()}
+    assert result["eval_loss/c4"] == per_source["c4"]["eval_loss"] != per_source["wiki"]["eval_loss"]
+    for key in ("eval_loss", "eval_accuracy", "eval_loss/R", "eval_accuracy/R"):
+        assert result[key] == pytest.approx(0.75 * per_source["c4"][key] + 0.25 * per_source["wiki"][key])
+    assert result["eval_tokens"] == result["eval_tokens/c4"] + result["eval_tokens/wiki"] == 20

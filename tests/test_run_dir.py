@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def test_layout_names_every_file_of_a_run(tmp_path):
     assert run.metrics_file == tmp_path / "run" / "metrics.jsonl"
     assert run.checkpoints == tmp_path / "run" / "checkpoints"
     assert run.sni_eval_dir(24) == tmp_path / "run" / "sni_eval" / "step_00000024"
+    assert run.compile_cache == tmp_path / "run" / "compile_cache"
     assert RunDir(run) == run and RunDir(str(run.path)) == run and RunDir(tmp_path) != run
     assert step_dirname(5000) == "step_00005000" and step_dirname(123456789) == "step_123456789"
     with pytest.raises(ValueError, match="step must be >= 0"):
@@ -176,3 +178,21 @@ def test_config_yaml_of_a_run_is_plain_yaml(tmp_path):
     run.write_config(RunConfig())
     data = yaml.safe_load(run.config_file.read_text())
     assert data["optim"]["betas"] == [0.9, 0.999] and data["model"]["preset"] == "base"
+
+
+@pytest.mark.parametrize("setting", ["user", "run", "shared", None])
+def test_the_compile_cache_is_the_one_the_config_names(tmp_path, monkeypatch, setting):
+    """model.compile_cache points inductor's and Triton's caches at the user's cache, the run
+    directory or a shared directory, or (null) leaves torch's own choice alone."""
+    from training.compile_settings import use_compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    run = RunDir(tmp_path / "run")
+    chosen = use_compile_cache(str(tmp_path / setting) if setting == "shared" else setting, run.compile_cache)
+    expected = {"user": tmp_path / "xdg" / "t5ds" / "compile", "run": run.compile_cache,
+                "shared": tmp_path / "shared", None: None}[setting]
+    assert chosen == expected
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(expected or "/elsewhere")
+    assert os.environ.get("TRITON_CACHE_DIR") == (None if expected is None else str(expected / "triton"))

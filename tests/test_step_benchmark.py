@@ -19,14 +19,14 @@ def test_variant_items_parse():
     from training.benchmark import main, parse_variant, variant_label
 
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,opteager,bf16residual,clipbefore,"
-                      "deterministic,regional,quackffn,vocab=250112", ARGS)  # fmt: skip
+                      "deterministic,regional,quackffn,objective=ul2,vocab=250112", ARGS)  # fmt: skip
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      opt_compiled=False, residual_dtype="autocast", clip_in_step=False, deterministic=True,
-                     regional=True, quack_ffn=True, vocab_size=250112)  # fmt: skip
+                     regional=True, quack_ffn=True, objective="ul2", vocab_size=250112)  # fmt: skip
     default = parse_variant("", ARGS)
     assert default == dict(attention="triton", compile=True, fused_ce=True, batch_size=128, mode="",
                            opt_compiled=True, residual_dtype="float32", clip_in_step=True, deterministic=False,
-                           regional=False, quack_ffn=False, vocab_size=32128)  # fmt: skip
+                           regional=False, quack_ffn=False, objective="span_corruption", vocab_size=32128)  # fmt: skip
     assert parse_variant("math", ARGS)["attention"] == "math"
     for pair, field, value in (("nocompile,compile", "compile", True), ("nofusedce,fusedce", "fused_ce", True),
                                ("opteager,optcompiled", "opt_compiled", True),
@@ -37,7 +37,7 @@ def test_variant_items_parse():
         assert parse_variant(pair, ARGS)[field] == value, pair
     labels = {item: variant_label(parse_variant(item, ARGS)) for item in
               ("", "opteager", "bf16residual", "clipbefore", "deterministic", "regional", "quackffn",
-               "vocab=250112")}  # fmt: skip
+               "objective=ul2", "vocab=250112")}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     for item in ("fast", "cudnn", "flex", "nobias", "dbiaskernel", "fartiles", "nopdl", "torchgelu"):
         with pytest.raises(SystemExit, match=item):
@@ -45,6 +45,17 @@ def test_variant_items_parse():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             main([])
+
+
+def test_objective_variant_times_a_real_batch_of_the_objective():
+    """`objective=ul2` times one UL2 batch: inputs at --input-length under an attention mask, targets
+    padded to the longest denoiser's (384 at 512), labels -100 where padded."""
+    from training.benchmark import objective_batch
+
+    batch = objective_batch("ul2", 64, 512)
+    assert batch["input_ids"].shape == (64, 512) and batch["labels"].shape == (64, 384)
+    assert ((batch["input_ids"] == 0) == (batch["attention_mask"] == 0)).all()
+    assert 0 < (batch["labels"] == -100).mean() < 0.8 and len(set(batch["denoiser"].tolist())) > 3
 
 
 def test_regional_compile_variant_keeps_loss_and_gradients():

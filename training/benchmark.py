@@ -23,7 +23,9 @@ the epilogues of QuACK's GEMMs, needs quack-kernels and sm90+; or "default": cuB
 GELU kernels), deterministic (training/determinism.py, as the run config's `deterministic`),
 regional|wholemodel (torch.compile each T5 block, the final norms and the loss on their own, as
 ZeRO 3's `model.zero3_compile=blocks` does, or the whole step as one graph as training does at ZeRO
-0-2), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's). Each variant prints one
+0-2), objective=ul2|prefix_lm (one batch of that objective, training/data/objectives.py, from random
+raw tokens at --input-length: its padded targets and attention mask; tokens/s and FLOPs count the real
+lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's). Each variant prints one
 table row, ending with the loss of the last step and the sum of every parameter after it (two runs
 of the same variant are bit-identical when both are `deterministic`); --json appends one JSON
 object per variant to a file.
@@ -38,15 +40,18 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
 from training.compile_settings import compile_cache_outcomes, compile_options
+from training.config import DataConfig
+from training.data.objectives import build_objective
 from training.determinism import set_deterministic
 from training.grad_clip import GradClip
 from training.model import T5Config, T5ForConditionalGeneration, quack_ffn, t5
 from training.model.config import RESIDUAL_DTYPES
-from training.model.flops import measure_matmul_tflops, model_flops_per_step
+from training.model.flops import measure_matmul_tflops, model_flops_per_step, samples_flops_per_step
 from training.zero3_compile import _compiled_block_forward
 
 ATTENTION_BACKENDS = ("triton", "sdpa", "math")
@@ -81,7 +86,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, opt_compiled=args.optimizer_compiled, residual_dtype=args.residual_dtype,
-        clip_in_step=True, deterministic=False, regional=False, quack_ffn=False, vocab_size=T5Config.vocab_size,
+        clip_in_step=True, deterministic=False, regional=False, quack_ffn=False, objective="span_corruption",
+        vocab_size=T5Config.vocab_size,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ATTENTION_BACKENDS:
@@ -93,6 +99,8 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["batch_size"] = int(item[3:])
         elif item.startswith("mode="):
             variant["mode"] = item[5:]
+        elif item.startswith("objective="):
+            variant["objective"] = item[10:]
         elif item.startswith("vocab="):
             variant["vocab_size"] = int(item[6:])
         else:
@@ -109,6 +117,7 @@ def variant_label(v: dict) -> str:
     notes += ["deterministic"] if v["deterministic"] else []
     notes += ["regional compile"] if v["regional"] else []
     notes += ["QuACK FFN"] if v["quack_ffn"] else []
+    notes += [v["objective"]] if v["objective"] != "span_corruption" else []
     notes += [f"vocab {v['vocab_size']}"] if v["vocab_size"] != T5Config.vocab_size else []
     return ", ".join([v["attention"], *notes])
 
@@ -130,12 +139,8 @@ def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -
 def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
     if variant["quack_ffn"]:
         quack_ffn.load()  # raises where QuACK cannot run, rather than time the default FFN under its name
-    config = T5Config.from_preset(
-        args.preset,
-        attention_backend=variant["attention"],
-        residual_dtype=variant["residual_dtype"],
-        ffn_kernel="quack" if variant["quack_ffn"] else "default", vocab_size=variant["vocab_size"],
-    )
+    config = T5Config.from_preset(args.preset, attention_backend=variant["attention"], residual_dtype=variant[
+        "residual_dtype"], ffn_kernel="quack" if variant["quack_ffn"] else "default", vocab_size=variant["vocab_size"])
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config).to(device)
     optimizer = build_optimizer(model, args.optimizer, variant["opt_compiled"])
@@ -143,10 +148,16 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     input_ids = torch.randint(2, config.vocab_size, (bs, src), device=device)
     labels = torch.randint(2, config.vocab_size, (bs, tgt), device=device)
     labels[:, -1] = config.eos_token_id
+    mask, flops = None, model_flops_per_step(config, bs, src, tgt)
+    if variant["objective"] != "span_corruption":
+        batch = {k: torch.from_numpy(v).to(device) for k, v in objective_batch(variant["objective"], bs, src).items()}
+        input_ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
+        flops = samples_flops_per_step(config, mask.sum(1).cpu(), (labels != -100).sum(1).cpu())
+    tokens = int((labels != -100).sum()) + (bs * src if mask is None else int(mask.sum()))
     return_logits = not variant["fused_ce"]
 
     def loss_fn(ids, lab):
-        return model(ids, labels=lab, return_logits=return_logits).loss
+        return model(ids, labels=lab, attention_mask=mask, return_logits=return_logits).loss
 
     # as training compiles the model
     options = compile_options(variant["mode"] or "default") if variant["compile"] else None
@@ -215,16 +226,22 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         if args.profile != "-":
             with open(args.profile, "a") as f:
                 f.write(f"{variant}\n{table}\n")
-    flops = model_flops_per_step(config, bs, src, tgt)
-    result = dict(
-        variant=variant, s_per_step=sec, wall_s_per_step=wall_sec, tokens_per_s=bs * (src + tgt) / sec,
+    return dict(
+        variant=variant, s_per_step=sec, wall_s_per_step=wall_sec, tokens_per_s=tokens / sec,
         model_tflops=flops / sec / 1e12,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30, first_step_s=first_step_s,
         compile_cache=compile_cache, final_loss=float(loss.detach()),
         param_sum=float(sum(p.detach().double().sum() for p in model.parameters())),
         optimizer=type(optimizer).__name__,
     )  # fmt: skip
-    return result
+
+
+def objective_batch(name: str, batch_size: int, input_length: int) -> dict:
+    """One batch of the pre-training objective `name` from random raw tokens (T5 vocabulary)."""
+    data = DataConfig(objective=name, input_length=input_length, tokenizer="assets/t5/spiece.model")
+    objective = build_objective(data)
+    rows = np.random.default_rng(0).integers(2, 32000, (batch_size, objective.row_length))
+    return objective.make(rows, np.arange(batch_size), seed=0, stream=0)
 
 
 def _compile_regions(model: torch.nn.Module, options: dict) -> None:
@@ -239,9 +256,7 @@ def _compile_regions(model: torch.nn.Module, options: dict) -> None:
         for block in stack.block:
             block.forward = _compiled_block_forward(block, "inductor")
     # the model looks the loss up in its module's namespace on each call (run_variant puts it back)
-    t5.fused_linear_cross_entropy = torch.compile(
-        t5.fused_linear_cross_entropy, fullgraph=True, options=options
-    )
+    t5.fused_linear_cross_entropy = torch.compile(t5.fused_linear_cross_entropy, fullgraph=True, options=options)
 
 
 def _cache_outcome(result: dict) -> str:
@@ -250,18 +265,14 @@ def _cache_outcome(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="base")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--input-length", type=int, default=512)
     parser.add_argument("--target-length", type=int, default=114)
     parser.add_argument("--attention", default="triton", choices=ATTENTION_BACKENDS)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument(
-        "--compile-mode", default="", help="torch.compile mode, e.g. max-autotune-no-cudagraphs"
-    )
+    parser.add_argument("--compile-mode", default="", help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     parser.add_argument("--fullgraph", action=argparse.BooleanOptionalAction, default=True,
                         help="fail on a graph break instead of silently splitting the step")  # fmt: skip
     parser.add_argument("--fused-ce", action=argparse.BooleanOptionalAction, default=True)
@@ -289,10 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 8192^3 matmul {ceiling:.0f} TFLOP/s")
     print(f"# T5 {args.preset}, inputs {args.input_length}, targets {args.target_length}, bf16 autocast, "
           f"{args.optimizer} + clip, median of {args.steps} after {args.warmup} warm-up")  # fmt: skip
-    print(
-        "| attention | compile | fused CE | batch | s/step | tokens/s | model TFLOP/s | MFU | peak GiB | 1st step s "
-        "| wall s/step | last loss | parameter sum |"
-    )
+    print("| attention | compile | fused CE | batch | s/step | tokens/s | model TFLOP/s | MFU | peak GiB | 1st step s "
+          "| wall s/step | last loss | parameter sum |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     specs = args.variants.split(";") if args.variants else [""]
     for i, spec in enumerate(specs):
@@ -303,15 +312,12 @@ def main(argv: list[str] | None = None) -> None:
         try:
             r = run_variant(variant, args, device)
         except torch.cuda.OutOfMemoryError:
-            r = dict(
-                variant=variant, error="out of memory", peak_gib=torch.cuda.max_memory_allocated() / 2**30
-            )
+            r = dict(variant=variant, error="out of memory", peak_gib=torch.cuda.max_memory_allocated() / 2**30)
         except Exception as e:  # noqa: BLE001 - a failing variant must not hide the others
             r = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:300]}")
         v = variant
         compiled = ("yes " + v["mode"]).strip() if v["compile"] else "no"
-        head = f"| {variant_label(v)} | {compiled} | "
-        head += f"{'yes' if v['fused_ce'] else 'no'} | {v['batch_size']} |"
+        head = f"| {variant_label(v)} | {compiled} | {'yes' if v['fused_ce'] else 'no'} | {v['batch_size']} |"
         if "error" in r:
             print(f"{head} {r['error']} | | | | {r.get('peak_gib', 0):.1f} | | | | |", flush=True)
         else:

@@ -9,6 +9,8 @@ the T5 blocks under ZeRO 3 with the same `compile_options` (less PDL); the step 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
@@ -56,6 +58,29 @@ def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:
     model.forward = torch.compile(model.forward, fullgraph=True, options=compile_options(mode))
 
 
+def compile_cache_dir(setting: str | None, run_cache: Path) -> Path | None:
+    """The directory `model.compile_cache` names: "user" the user's cache ($XDG_CACHE_HOME/t5ds/compile,
+    by default ~/.cache/t5ds/compile), "run" `run_cache` (the run directory's), else that directory;
+    None for torch's own."""
+    if setting is None:
+        return None
+    if setting == "user":
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "t5ds" / "compile"
+    return (run_cache if setting == "run" else Path(setting).expanduser()).resolve()
+
+
+def use_compile_cache(setting: str | None, run_cache: Path) -> Path | None:
+    """Point torch.compile's caches at `compile_cache_dir(setting, run_cache)` before anything compiles:
+    inductor's (FX graphs, AOTAutograd, autotuning) through TORCHINDUCTOR_CACHE_DIR, and Triton's kernel
+    binaries, the model's own kernels included, through TRITON_CACHE_DIR. The caches write each entry
+    atomically, so ranks on one or many nodes can share one. Returns the directory (None: unchanged)."""
+    path = compile_cache_dir(setting, run_cache)
+    if path is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    return path
+
+
 def compile_cache_outcomes() -> dict[str, int]:
     """How often AOTAutograd's compile cache hit, missed or stepped aside ("bypass") in this process so
     far, nonzero counts only: {} where nothing was compiled (CPU runs, `model.compile=false`)."""
@@ -78,6 +103,7 @@ def log_first_step(metrics, step: int, seconds: float) -> None:
         hint = (" The cache stepped aside for part of it, so every run compiles that part again "
                 "(an autograd.Function or an autocast context inside the compiled graph does that).")  # fmt: skip
     elif "hit" not in outcomes:  # compiled from scratch
-        hint = (" A later run of the same code, model and shapes on this machine loads it from "
-                "TORCHINDUCTOR_CACHE_DIR instead (default /tmp/torchinductor_$USER).")  # fmt: skip
+        hint = (" A later run of the same code, model and shapes loads it from the compile cache "
+                f"instead ({os.environ.get('TORCHINDUCTOR_CACHE_DIR', '/tmp/torchinductor_$USER')}; "
+                "model.compile_cache).")  # fmt: skip
     logger.info("first step launched in %.1f s, torch.compile included (compile cache: %s).%s", seconds, cache, hint)

@@ -34,6 +34,8 @@ PRECISIONS = ("bf16", "fp32")
 OPTIMIZERS = ("adamwscale", "adamw", "adafactor")
 LR_SCHEDULERS = ("cosine", "legacy", "constant", "linear")
 WANDB_MODES = ("offline", "online", "disabled")
+OBJECTIVES = ("span_corruption", "ul2", "prefix_lm")  # training.data.objectives.OBJECTIVES
+DENOISER_KINDS = ("span", "prefix")
 
 
 class ConfigError(ExpectedError, ValueError):
@@ -93,6 +95,13 @@ class ModelConfig:
     zero3_compile: str = "blocks"
     """What `compile` compiles under ZeRO 3: blocks (each T5 block one graph, its parameters gathered
     in one all-gather) | pointwise (only the RMS norms and gated GELUs). training/zero3_compile.py."""
+    compile_cache: str | None = "user"
+    """Where torch.compile keeps what it compiled (inductor's and Triton's caches), so that a later
+    process of the same code and shapes starts warm: user ($XDG_CACHE_HOME/t5ds/compile, by default
+    ~/.cache/t5ds/compile: every run of this user, and on a cluster whose home directories are shared
+    every node, so a requeue elsewhere too) | run (the run directory's compile_cache/: this run's
+    ranks and restarts only) | a directory | null (torch's own: TORCHINDUCTOR_CACHE_DIR, else
+    /tmp/torchinductor_$USER, per node)."""
     init_from: str | None = None
     """Optional weights to start from: a Hugging Face model dir or a nanoT5 state dict (.pt/.bin)."""
     vocab_size: int | None = None
@@ -117,6 +126,8 @@ class ModelConfig:
             self.init_from is None or bool(self.init_from),
             "model.init_from must be a path or null",
         )
+        _check(self.compile_cache is None or bool(self.compile_cache),
+               "model.compile_cache must be user, run, a directory or null")
 
 
 @dataclass
@@ -129,6 +140,57 @@ class Source:
     """Share of the training samples, relative to the other sources' weights (> 0)."""
     name: str | None = None
     """Name in logs and metrics (eval_loss/<name>); null = the directory's last component."""
+
+
+@dataclass
+class Denoiser:
+    """One denoiser of the ul2 / prefix_lm objectives (training/data/denoisers.py)."""
+
+    kind: str = "span"
+    """span (T5 span corruption: masked spans become sentinels) | prefix (prefix LM: the row's suffix
+    is the target)."""
+    rate: float = 0.15
+    """span: share of the row's tokens masked, in (0, 1); prefix: mean share of the row in the
+    target, in (0, 0.5] (the split point is uniform, T5's random_prefix_noise_mask)."""
+    mean_span: float = 3.0
+    """span: mean masked span length in tokens (>= 1); ignored when `spans` is set."""
+    spans: int = 0
+    """span: a fixed number of masked spans instead of `mean_span` (0 = from mean_span)."""
+    mode_token: str = ""
+    """Text prepended to the inputs (UL2's [NLU], [NLG], [S2S]); "" = none. Its pieces must be in
+    the vocabulary."""
+    weight: float = 1.0
+    """Relative share of the samples (>= 0; normalised over the list)."""
+    name: str = ""
+    """Name in metrics (eval_loss/NAME); "" = derived from the parameters, e.g. span_mu3_r0.15."""
+
+    def __post_init__(self) -> None:
+        _check_choice("data.denoisers[].kind", self.kind, DENOISER_KINDS)
+        if self.kind == "span":
+            _check(0.0 < self.rate < 1.0, f"data.denoisers[].rate={self.rate} of a span denoiser must be in (0, 1)")
+        else:
+            _check(0.0 < self.rate <= 0.5,
+                   f"data.denoisers[].rate={self.rate} of a prefix denoiser must be in (0, 0.5] (mean target share)")
+        _check(self.mean_span >= 1.0, f"data.denoisers[].mean_span={self.mean_span} must be >= 1")
+        _check(self.spans >= 0, f"data.denoisers[].spans={self.spans} must be >= 0 (0 = from mean_span)")
+        _check(self.weight >= 0.0, f"data.denoisers[].weight={self.weight} must be >= 0")
+        if not self.name:
+            shape = f"spans{self.spans}" if self.spans else f"mu{self.mean_span:g}"
+            self.name = f"span_{shape}_r{self.rate:g}" if self.kind == "span" else f"prefix_r{self.rate:g}"
+
+
+# UL2 (Tay et al. 2022): R-denoisers [NLU], X-denoisers [NLG], the S-denoiser (prefix LM) [S2S]; the
+# S-denoiser takes 20% of the samples, the six span denoisers share the rest equally.
+UL2_DENOISERS = (
+    Denoiser("span", 0.15, 3.0, mode_token="[NLU]", weight=4.0, name="R_mu3_r0.15"),
+    Denoiser("span", 0.15, 8.0, mode_token="[NLU]", weight=4.0, name="R_mu8_r0.15"),
+    Denoiser("span", 0.5, 3.0, mode_token="[NLG]", weight=4.0, name="X_mu3_r0.5"),
+    Denoiser("span", 0.5, 8.0, mode_token="[NLG]", weight=4.0, name="X_mu8_r0.5"),
+    Denoiser("span", 0.15, 64.0, mode_token="[NLG]", weight=4.0, name="X_mu64_r0.15"),
+    Denoiser("span", 0.5, 64.0, mode_token="[NLG]", weight=4.0, name="X_mu64_r0.5"),
+    Denoiser("prefix", 0.25, mode_token="[S2S]", weight=6.0, name="S_prefix_r0.25"),
+)
+PREFIX_LM_DENOISERS = (Denoiser("prefix", 0.25),)
 
 
 @dataclass
@@ -148,6 +210,13 @@ class DataConfig:
     """Fraction of raw tokens masked by span corruption, in (0, 1)."""
     mean_noise_span_length: float = 3.0
     """Mean masked span length in tokens (>= 1)."""
+    objective: str = "span_corruption"
+    """Pre-training objective: span_corruption (T5's, with the three settings above) | ul2 (UL2's
+    mixture of denoisers) | prefix_lm (the S-denoiser alone). All read the same shards: rows of the
+    raw length T5's formula gives for input_length (568 for 512). training/data/objectives.py."""
+    denoisers: tuple[Denoiser, ...] = ()
+    """The denoisers of ul2 / prefix_lm, each {kind, rate, mean_span, spans, mode_token, weight,
+    name}; empty = the objective's default (UL2's seven; one prefix denoiser of rate 0.25)."""
     num_workers: int = 2
     """DataLoader worker processes per rank (0 = load in the training process)."""
 
@@ -174,6 +243,26 @@ class DataConfig:
             f"data.mean_noise_span_length={self.mean_noise_span_length} must be >= 1; T5 uses 3.0",
         )
         _check(self.num_workers >= 0, f"data.num_workers={self.num_workers} must be >= 0")
+        _check_choice("data.objective", self.objective, OBJECTIVES)
+        _check(not self.denoisers or self.objective != "span_corruption",
+               "data.denoisers applies to data.objective=ul2 or prefix_lm: set one of them or drop data.denoisers")
+        _check(self.objective != "prefix_lm" or all(d.kind == "prefix" for d in self.denoisers),
+               "data.objective=prefix_lm takes only denoisers of kind prefix; use data.objective=ul2 for span ones")
+        weights = [d.weight for d in self.denoisers]
+        _check(not weights or sum(weights) > 0,
+               f"data.denoisers weights {weights} sum to 0: give at least one denoiser a positive weight")
+        names = [d.name for d in self.denoisers]
+        _check(len(set(names)) == len(names), f"data.denoisers names {names} repeat: give each a distinct name")
+        shared = sorted({s.name for s in self.sources} & {d.name for d in self.objective_denoisers})
+        _check(not shared, f"data.sources and the denoisers both use the name(s) {shared} (eval_loss/NAME): "
+                           "rename the sources (data.sources[].name)")
+
+    @property
+    def objective_denoisers(self) -> tuple[Denoiser, ...]:
+        """The denoisers the objective uses: data.denoisers, or the objective's default list."""
+        if self.objective == "span_corruption":
+            return ()
+        return self.denoisers or (UL2_DENOISERS if self.objective == "ul2" else PREFIX_LM_DENOISERS)
 
 
 def _named_source(source: Source, k: int) -> Source:

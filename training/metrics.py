@@ -2,11 +2,13 @@
 
 Only rank 0 writes. Every record is one JSON object per line in the run directory's metrics.jsonl
 with a `kind` ("train", "eval", "event") and a `step`. Training records carry at least `step`,
-`loss`, `lr`, `grad_l2`, `tokens_per_s`, and `eta_s` (the estimated seconds left, see
-`RemainingTime`); evaluation records `step`, `eval_loss`,
-`eval_accuracy`; event records an `event`: start, resume, first_step (`seconds` to launch this
-process's first step, torch.compile included, and `compile_cache`: what AOTAutograd's cache did),
-checkpoint, nonfinite_stop, exit. W&B runs offline unless `logging.wandb=online`, so no account is needed.
+`objective` (`data.objective`), `loss`, `lr`, `grad_l2`, `tokens_per_s` (real input + target
+tokens, padding excluded), `mfu` (FLOPs of the real lengths, training/model/flops.py) and `eta_s`
+(the estimated seconds left, see `RemainingTime`); evaluation records `step`, `objective`,
+`eval_loss`, `eval_accuracy` (T5 span corruption's) and, for ul2 / prefix_lm, `eval_loss/NAME`
+and `eval_accuracy/NAME` per denoiser; event records an `event`: start, resume, first_step
+(`seconds` to launch this process's first step, torch.compile included, and `compile_cache`: what
+AOTAutograd's cache did), checkpoint, nonfinite_stop, exit. W&B runs offline unless `logging.wandb=online`, so no account is needed.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def format_duration(seconds: float) -> str:
 def train_line(record: dict, total_steps: int) -> str:
     """nanoT5's console line, plus tokens/s, MFU and the estimated time left."""
     parts = [f"[train] Step {record['step']} out of {total_steps}"]
+    if record.get("objective"):
+        parts.append(f"Objective --> {record['objective']}")
     names = [("loss", "Loss"), ("grad_l2", "Grad_l2"), ("weights_l2", "Weights_l2"), ("lr", "Lr"),
              ("seconds_per_step", "Seconds_per_step"), ("tokens_per_s", "Tokens_per_s"), ("mfu", "MFU")]
     for key, label in names:

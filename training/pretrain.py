@@ -1,4 +1,4 @@
-r"""Pre-train T5 v1.1 with T5 span corruption on DeepSpeed.
+r"""Pre-train T5 v1.1 with T5 span corruption (or UL2, prefix LM: `data.objective`) on DeepSpeed.
 
     python -m training.launch --num_gpus 8 training/pretrain.py --config training/configs/t5_base_c4.yaml
     deepspeed training/pretrain.py --config training/configs/t5_base_c4.yaml \
@@ -41,12 +41,13 @@ from training.compile_settings import log_first_step
 from training.config import RunConfig, eval_batch_size_per_rank, micro_batch_size
 from training.data import PretrainBatches, WeightedCorpus, has_split, validation_batches
 from training.data.mixture import mixture_errors
+from training.data.objectives import build_objective
 from training.distributed import DistInfo, all_reduce_max, all_reduce_sum
 from training.ds_config import resolve_ds_config
-from training.evaluation import evaluate_mixture, evaluate_span_corruption
+from training.evaluation import evaluate_mixture, evaluate_sets
 from training.metrics import RemainingTime, train_line
 from training.model.config import T5Config
-from training.model.flops import model_flops_per_step
+from training.model.flops import samples_flops_per_step
 from training.nonfinite_watch import NonfiniteWatch, checkpoint_refusal
 from training.optim import weight_l2_norm
 from training.resume_policy import plan_resume
@@ -70,12 +71,12 @@ logger = logging.getLogger("t5ds.pretrain")
 
 
 @expected_errors("data.dir", ValueError, FileNotFoundError)  # the shards do not fit the run config
-def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary, dist_info: DistInfo
-                         ) -> tuple[PretrainBatches, list[dict] | dict[str, list[dict]] | None]:
-    """This rank's training batches (a resumable stream) and validation batches (a fixed list; None when
-    the dataset has no validation split) of the span-corruption objective over the shards in `data.dir`,
-    or over the mixture `data.sources` (then validation batches by corpus name), with the sentinels of
-    the run's tokenizer."""
+def objective_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary, dist_info: DistInfo
+                   ) -> tuple[PretrainBatches, dict[str, list[dict]] | dict[str, dict[str, list[dict]]] | None]:
+    """This rank's training batches (a resumable stream) and validation sets (named fixed lists of
+    batches, `objectives.evaluation_sets`; None when the dataset has no validation split) of the
+    objective `data.objective`, with the sentinels of the run's tokenizer, over the shards in
+    `data.dir`, or over the mixture `data.sources` (then the validation sets by corpus name)."""
     rank, world_size = dist_info.rank, dist_info.world_size
     objective = {
         "input_length": cfg.data.input_length, "noise_density": cfg.data.noise_density,
@@ -84,31 +85,41 @@ def span_corruption_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabula
         "sentinel_start_id": vocab.sentinel_start_id,
     }
     corpora = [WeightedCorpus(s.name, s.dir, s.weight) for s in cfg.data.sources]
+    tokenizer = vocab.tokenizer
+    train_objective = build_objective(cfg.data, sentinel_start_id=tokenizer.sentinel_start_id,
+                                      num_sentinels=tokenizer.num_sentinels, eos_id=tokenizer.eos_id,
+                                      pad_id=tokenizer.pad_id)
     train_batches = PretrainBatches(
         corpora or cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_batch_size(cfg, world_size),
         grad_acc=cfg.optim.grad_acc, seed=cfg.seed, num_workers=cfg.data.num_workers,
         # Pinned host memory makes the copy to the GPU asynchronous; a pageable copy would block
         # the host until the GPU has finished the previous step, so no kernels could be queued ahead.
-        pin_memory=dist_info.device.type == "cuda", **objective,
+        pin_memory=dist_info.device.type == "cuda", objective=train_objective, **objective,
     )
     if corpora:
-        return train_batches, mixture_validation(cfg, corpora, dist_info, objective)
+        return train_batches, mixture_validation(cfg, corpora, dist_info, train_objective, objective)
     if not has_split(cfg.data.dir, "validation"):
         if rank == 0:
             logger.warning("%s has no validation split: evaluation is off for this run (shard one with "
                            "data_prep.shard --validation-input to evaluate)", cfg.data.dir)
         return train_batches, None
-    val_batches = list(validation_batches(
-        cfg.data.dir, rank=rank, world_size=world_size, batch_size=eval_batch_size_per_rank(cfg, world_size),
-        max_samples=cfg.eval.max_samples or None, seed=cfg.seed, **objective,
-    ))
-    return train_batches, val_batches
+    return train_batches, validation_sets(cfg, cfg.data.dir, dist_info, train_objective, objective)
 
 
-def mixture_validation(cfg: RunConfig, corpora: list[WeightedCorpus], dist_info: DistInfo,
-                       objective: dict) -> dict[str, list[dict]] | None:
-    """Validation batches of each corpus of a mixture that has a validation split, by name (None: none has)."""
-    batches = {}
+def validation_sets(cfg: RunConfig, data_dir: str, dist_info: DistInfo, train_objective,
+                    objective: dict) -> dict[str, list[dict]]:
+    """This rank's validation batches of `data_dir`, for each set of `train_objective.evaluation_sets()`."""
+    return {name: list(validation_batches(
+        data_dir, rank=dist_info.rank, world_size=dist_info.world_size,
+        batch_size=eval_batch_size_per_rank(cfg, dist_info.world_size), max_samples=cfg.eval.max_samples or None,
+        seed=cfg.seed, objective=set_objective, **objective,
+    )) for name, set_objective in train_objective.evaluation_sets().items()}
+
+
+def mixture_validation(cfg: RunConfig, corpora: list[WeightedCorpus], dist_info: DistInfo, train_objective,
+                       objective: dict) -> dict[str, dict[str, list[dict]]] | None:
+    """`validation_sets` of each corpus of a mixture that has a validation split, by name (None: none has)."""
+    sets = {}
     for k, corpus in enumerate(corpora):
         if not has_split(corpus.dir, "validation"):
             if dist_info.rank == 0:
@@ -116,12 +127,8 @@ def mixture_validation(cfg: RunConfig, corpora: list[WeightedCorpus], dist_info:
                                k, corpus.name)
             continue
         with mixture_errors(corpora, k):
-            batches[corpus.name] = list(validation_batches(
-                corpus.dir, rank=dist_info.rank, world_size=dist_info.world_size,
-                batch_size=eval_batch_size_per_rank(cfg, dist_info.world_size),
-                max_samples=cfg.eval.max_samples or None, seed=cfg.seed, **objective,
-            ))
-    return batches or None
+            sets[corpus.name] = validation_sets(cfg, corpus.dir, dist_info, train_objective, objective)
+    return sets or None
 
 
 class LogWindow:
@@ -135,12 +142,32 @@ class LogWindow:
     def reset(self) -> None:
         self.loss.zero_()
         self.steps = 0
+        self.tokens = 0  # real (unpadded) input + target tokens of this rank's micro-batches
+        self.flops = 0.0  # their model FLOPs (training.model.flops)
+        self.targets = 0  # real target tokens, and label positions (padding included), of the micro-batches
+        self.target_positions = 0
         self.data_wait = 0.0  # seconds spent waiting in next(train_batches)
         self.start = time.perf_counter()
 
+    def count(self, batch: dict, model_cfg: T5Config) -> float:
+        """Add a micro-batch's real tokens and FLOPs; return the factor of its mean token loss that makes
+        it the sum of its token losses over its label positions. Targets of varying length (denoising
+        objectives) need that constant denominator for every split of the global batch over ranks and
+        micro-steps to give the same gradient (a mean per micro-batch weights tokens unevenly)."""
+        mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
+        input_lengths = torch.full((len(batch["input_ids"]),), batch["input_ids"].shape[1]) if mask is None \
+            else mask.sum(1)
+        target_lengths = (batch["labels"] != -100).sum(1)
+        targets, positions = int(target_lengths.sum()), batch["labels"].numel()
+        self.tokens += int(input_lengths.sum()) + targets
+        self.flops += samples_flops_per_step(model_cfg, input_lengths.numpy(), target_lengths.numpy())
+        self.targets += targets
+        self.target_positions += positions
+        return 1.0 if mask is None else targets / positions
+
 
 def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, clip, window: LogWindow,
-               want_grad_norm: bool):
+               want_grad_norm: bool, model_cfg: T5Config):
     """One optimizer step over `optim.grad_acc` micro-batches; adds its loss to `window`. Returns the
     gradient norm before clipping where the loop has it (None: the engine's, or none)."""
     grad_l2 = None
@@ -149,9 +176,13 @@ def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, cli
         wait_start = time.perf_counter()
         batch = next(batches)
         window.data_wait += time.perf_counter() - wait_start
+        scale = window.count(batch, model_cfg)
+        mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
         out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True),
-                     labels=batch["labels"].to(device, non_blocking=True), return_logits=False)
-        engine.backward(out.loss)
+                     labels=batch["labels"].to(device, non_blocking=True), return_logits=False,
+                     attention_mask=None if mask is None else mask.to(device, non_blocking=True))
+        loss = out.loss if scale == 1.0 else out.loss * scale
+        engine.backward(loss)
         last_micro = micro == cfg.optim.grad_acc - 1
         if last_micro and engine.zero_optimization_stage() == 0:
             # ZeRO 1-3 clip inside DeepSpeed and record the pre-clipping norm; with ZeRO 0 the loop
@@ -164,8 +195,8 @@ def train_step(engine, model, batches, cfg: RunConfig, device: torch.device, cli
         engine.step()  # DeepSpeed applies the update only at the gradient-accumulation boundary
         if clip is not None and last_micro:
             grad_l2 = clip.last_norm()
-        window.loss += out.loss.detach().float() / cfg.optim.grad_acc
-        window.last_step_loss += out.loss.detach().float() / cfg.optim.grad_acc
+        window.loss += loss.detach().float() / cfg.optim.grad_acc
+        window.last_step_loss += loss.detach().float() / cfg.optim.grad_acc
     return grad_l2
 
 
@@ -177,9 +208,10 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
     vocab = run_vocabulary(cfg.data.tokenizer, cfg.model.vocab_size)
-    check_sentinel_count(vocab, cfg.data.input_length, cfg.data.noise_density, cfg.data.mean_noise_span_length)
+    if cfg.data.objective == "span_corruption":  # the other objectives' builders check their sentinels
+        check_sentinel_count(vocab, cfg.data.input_length, cfg.data.noise_density, cfg.data.mean_noise_span_length)
     model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from, vocab=vocab)
-    train_batches, val_batches = span_corruption_data(cfg, model_cfg, vocab, dist_info)
+    train_batches, val_sets = objective_data(cfg, model_cfg, vocab, dist_info)
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     setup_complete(dist_info)  # every rank is set up, or every rank stops here and one prints the error
@@ -212,17 +244,15 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
                           **({"config_changes": resume.changes} if resume_from else {})})
 
     def run_eval() -> dict | None:
-        if val_batches is None:  # no validation split
+        if val_sets is None:  # no validation split
             return None
-        if isinstance(val_batches, dict):  # a mixture: each corpus's loss, and their mean at the mixture's shares
-            result = evaluate_mixture(engine, val_batches, {s["name"]: s["share"] for s in mixture}, device)
-        else:
-            result = evaluate_span_corruption(engine, val_batches, device)
-        metrics.log("eval", {"step": step, **result})
-        by_source = "".join(f" | {name} --> {result[f'eval_loss/{name}']:.4f}" for name in val_batches) \
-            if isinstance(val_batches, dict) else ""
+        result = (evaluate_mixture(engine, val_sets, {s["name"]: s["share"] for s in mixture}, device)
+                  if mixture else evaluate_sets(engine, val_sets, device))
+        metrics.log("eval", {"step": step, "objective": cfg.data.objective, **result})
         logger.info("[eval] Step %d | Loss --> %.4f | Accuracy --> %.4f | Tokens --> %d%s", step,
-                    result["eval_loss"], result["eval_accuracy"], result["eval_tokens"], by_source)
+                    result["eval_loss"], result["eval_accuracy"], result["eval_tokens"],
+                    "".join(f" | {k[len('eval_loss/'):]} --> {v:.4f}" for k, v in result.items()
+                            if k.startswith("eval_loss/")))
         return result
 
     def save_checkpoint() -> None:
@@ -240,9 +270,6 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
         metrics.log("event", {"step": step, "event": "checkpoint", "path": str(path)})
 
     # --- the loop ---------------------------------------------------------------------------
-    target_length = train_batches.target_length
-    tokens_per_step = cfg.optim.batch_size * (cfg.data.input_length + target_length)
-    flops_per_step = model_flops_per_step(model_cfg, cfg.optim.batch_size, cfg.data.input_length, target_length)
     peak_tflops = matmul_peak_tflops(device)  # None on CPU: MFU is reported on GPUs only
     exit_code = 0
     skips = NonfiniteWatch(optimizer, engine, skipped_before=skipped_before)
@@ -252,7 +279,8 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     engine.train()
     while step < horizon.total_steps:
         log_now = (step + 1) % cfg.logging.every_steps == 0 or step + 1 == horizon.total_steps
-        grad_l2 = train_step(engine, model, train_batches, cfg, device, clip, window, want_grad_norm=log_now)
+        grad_l2 = train_step(engine, model, train_batches, cfg, device, clip, window, want_grad_norm=log_now,
+                             model_cfg=model_cfg)
         step += 1
         window.steps += 1
         budget.mark_step(step)
@@ -274,17 +302,21 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
             break
 
         if log_now:
-            loss = all_reduce_sum([window.loss.item()], device)[0] / (world_size * window.steps)
+            loss, tokens, flops, targets, positions = all_reduce_sum(
+                [window.loss.item(), window.tokens, window.flops, window.targets, window.target_positions], device)
+            loss /= world_size * window.steps
+            if targets != positions:  # padded targets: the mean per real target token
+                loss *= positions / targets
             seconds_per_step = (time.perf_counter() - window.start) / window.steps
             if grad_l2 is None:
                 grad_l2 = engine.get_global_grad_norm()
             record = {
-                "step": step, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                "step": step, "objective": cfg.data.objective, "loss": loss, "lr": scheduler.get_last_lr()[0],
                 "grad_l2": None if grad_l2 is None else float(grad_l2),
                 "weights_l2": weight_l2_norm(optimizer),
-                "seconds_per_step": seconds_per_step, "tokens_per_s": tokens_per_step / seconds_per_step,
+                "seconds_per_step": seconds_per_step, "tokens_per_s": tokens / window.steps / seconds_per_step,
                 "mfu": None if peak_tflops is None
-                else flops_per_step / seconds_per_step / (peak_tflops * 1e12 * world_size),
+                else flops / window.steps / seconds_per_step / (peak_tflops * 1e12 * world_size),
                 "skipped_steps": skips.skipped, "elapsed_s": budget.elapsed_s(),
                 # seconds per step this rank waited for the loader (0 when it keeps ahead of the GPU)
                 "data_wait_s": window.data_wait / window.steps,

@@ -60,6 +60,7 @@ CHECKPOINTS_DIRNAME = "checkpoints"
 SNI_EVAL_DIRNAME = "sni_eval"
 EVAL_DIRNAME = "eval"
 LOCK_NAME = "trainer.lock"
+COMPILE_CACHE_DIRNAME = "compile_cache"
 # errno values of a filesystem that does not do POSIX locks
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
@@ -127,6 +128,11 @@ class RunDir:
     def checkpoints(self) -> Path:
         """The directory holding the run's checkpoints (training/checkpoint.py's layout inside it)."""
         return self.path / CHECKPOINTS_DIRNAME
+
+    @property
+    def compile_cache(self) -> Path:
+        """torch.compile's cache of the run (`model.compile_cache=run`): every rank and restart reads it."""
+        return self.path / COMPILE_CACHE_DIRNAME
 
     def sni_eval_dir(self, step: int) -> Path:
         """Where the SNI evaluation after optimizer step `step` writes predictions.jsonl and metrics.json."""

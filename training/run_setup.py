@@ -20,7 +20,7 @@ from training.budget import Horizon
 from training.checkpoint import CheckpointManager
 from training.checkpoint_weights import load_run_model
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors
-from training.compile_settings import compile_forward
+from training.compile_settings import compile_forward, use_compile_cache
 from training.determinism import set_deterministic
 from training.distributed import control_group, init_distributed, shutdown_distributed
 from training.ds_config import zero_stage
@@ -124,6 +124,7 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
         raise ValueError(f"model.compile_mode={cfg.model.compile_mode} compiles the whole forward, which ZeRO 3 "
                          "cannot (model.zero3_compile says what is compiled there): set model.compile_mode=default")
     if cfg.model.compile and device.type == "cuda":
+        use_compile_cache(cfg.model.compile_cache, run_dir.compile_cache)
         if stage < 3:
             compile_forward(model, cfg.model.compile_mode)
         else:

@@ -1,7 +1,8 @@
-"""Pre-training data: T5 span corruption and the loader with a resumable global cursor, over one
-corpus or a weighted mixture of corpora."""
+"""Pre-training data: objectives (T5 span corruption, UL2, prefix LM) and the loader with a resumable
+global cursor, over one corpus or a weighted mixture of corpora."""
 
 from training.data.mixture import WeightedCorpus
+from training.data.objectives import OBJECTIVES, build_objective
 from training.data.permutation import EpochPermutation
 from training.data.pretrain_loader import (
     Cursor,
@@ -15,6 +16,7 @@ from training.data.span_corruption import SpanCorruption, expand_sentinels, nois
 
 __all__ = [
     "Cursor",
+    "OBJECTIVES",
     "EpochPermutation",
     "PretrainBatches",
     "RowStore",
@@ -22,6 +24,7 @@ __all__ = [
     "SplitInfo",
     "ValidationBatches",
     "WeightedCorpus",
+    "build_objective",
     "expand_sentinels",
     "has_split",
     "micro_batch_sample_indices",

@@ -1,10 +1,11 @@
-"""The pre-training loader: span-corrupted micro-batches with an exact, resumable global cursor.
+"""The pre-training loader: micro-batches of an objective (T5 span corruption by default, see
+`objectives.py`) with an exact, resumable global cursor.
 
 Sample line. The split's rows are visited epoch by epoch; epoch e is a random permutation of all
 N rows seeded by (seed, e) (`EpochPermutation`). Concatenating the epochs gives one infinite line
 of samples; global sample index g = e * N + p is position p of epoch e, and it holds row
 perm_e(p); a mixture of corpora splits this line between them (training/data/mixture.py). The
-noise of sample g is keyed by (seed, g): the same sample gets the same corruption on any rank,
+noise of sample g is keyed by (seed, g): the same sample gets the same objective draws on any rank,
 worker or restart, and a row gets fresh noise each epoch.
 
 Global batches. The cursor `samples_consumed` = c is a position on that line. The global batch at
@@ -51,6 +52,7 @@ from training.data.mixture import (
     integer_weights,
     mixture_errors,
 )
+from training.data.objectives import SpanCorruptionObjective
 from training.data.row_store import RowStore, open_split
 from training.data.span_corruption import NOISE_STREAM_TRAIN, NOISE_STREAM_VALIDATION, SpanCorruption
 from training.stop_signals import ignore_stop_signals
@@ -137,17 +139,17 @@ def micro_batch_sample_indices(
     return start + np.arange(micro_batch_size, dtype=np.int64)
 
 
-def _to_batch(inputs: np.ndarray, labels: np.ndarray) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels)}
+def _to_batch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(array) for name, array in arrays.items()}
 
 
-def _check_token_ids(rows: np.ndarray, corruption: SpanCorruption, store: RowStore) -> None:
+def _check_token_ids(rows: np.ndarray, objective, store: RowStore) -> None:
     """Raw ids must stay below the sentinels (and so below the model's vocabulary)."""
     top = int(rows.max())
-    if top >= corruption.lowest_sentinel_id:
+    if top >= objective.lowest_special_id:
         raise ValueError(
             f"{store.info.data_dir} ({store.info.split}): a row holds token id {top}, which is >= the lowest "
-            f"sentinel id {corruption.lowest_sentinel_id}; the data was tokenised with another vocabulary "
+            f"sentinel id {objective.lowest_special_id}; the data was tokenised with another vocabulary "
             "(re-shard with the run's tokenizer) or sentinel_start_id is wrong."
         )
 
@@ -158,7 +160,7 @@ class _PretrainStream(IterableDataset):
     def __init__(
         self,
         sample_rows: SampleRows,
-        corruption: SpanCorruption,
+        objective,
         start: int,
         seed: int,
         *,
@@ -168,7 +170,7 @@ class _PretrainStream(IterableDataset):
         grad_acc: int,
         include_indices: bool,
     ) -> None:
-        self.sample_rows, self.corruption, self.start, self.seed = sample_rows, corruption, start, seed
+        self.sample_rows, self.objective, self.start, self.seed = sample_rows, objective, start, seed
         self.rank, self.world_size = rank, world_size
         self.micro_batch_size, self.grad_acc = micro_batch_size, grad_acc
         self.include_indices = include_indices
@@ -188,9 +190,8 @@ class _PretrainStream(IterableDataset):
             )
             rows, row_ids, sources = self.sample_rows.read(samples)
             for k in np.unique(sources).tolist():
-                _check_token_ids(rows[sources == k], self.corruption, self.sample_rows.stores[k])
-            inputs, labels = self.corruption.corrupt(rows, samples, self.seed, NOISE_STREAM_TRAIN)
-            batch = _to_batch(inputs, labels)
+                _check_token_ids(rows[sources == k], self.objective, self.sample_rows.stores[k])
+            batch = _to_batch(self.objective.make(rows, samples, self.seed, NOISE_STREAM_TRAIN))
             if self.include_indices:
                 batch["sample_index"] = torch.from_numpy(samples)
                 batch["row_index"] = torch.from_numpy(row_ids)
@@ -200,37 +201,42 @@ class _PretrainStream(IterableDataset):
             micro_index += num_workers
 
 
-def _corruption_and_store(
+def _objective_and_store(
     data_dir: str | os.PathLike,
     split: str,
     *,
+    objective,
     input_length: int,
     noise_density: float,
     mean_noise_span_length: float,
     vocab_size: int,
     sentinel_start_id: int,
     expected_tokenizer_sha256: str | None,
-) -> tuple[SpanCorruption, RowStore]:
-    corruption = SpanCorruption(
-        input_length=input_length,
-        noise_density=noise_density,
-        mean_noise_span_length=mean_noise_span_length,
-        sentinel_start_id=sentinel_start_id,
-    )
+) -> tuple[object, RowStore]:
+    """`objective` (see objectives.py), or T5 span corruption with the given settings when None, and
+    the checked split it reads."""
+    if objective is None:
+        objective = SpanCorruptionObjective(SpanCorruption(
+            input_length=input_length,
+            noise_density=noise_density,
+            mean_noise_span_length=mean_noise_span_length,
+            sentinel_start_id=sentinel_start_id,
+        ))
     if sentinel_start_id >= vocab_size:
         raise ValueError(f"sentinel_start_id={sentinel_start_id} must be below vocab_size={vocab_size}")
+    corruption = objective.span_corruption  # its settings name the row length in open_split's messages
     info = open_split(
         data_dir,
         split,
-        row_length=corruption.tokens_length,
-        noise_density=noise_density,
-        mean_noise_span_length=mean_noise_span_length,
+        row_length=objective.row_length,
+        noise_density=corruption.noise_density,
+        mean_noise_span_length=corruption.mean_noise_span_length,
         vocab_size=vocab_size,
         eos_id=corruption.eos_id,
         expected_tokenizer_sha256=expected_tokenizer_sha256,
         sentinel_start_id=sentinel_start_id,
     )
-    return corruption, RowStore(info)
+    return objective, RowStore(info)
 
 
 def _check_rank(rank: int, world_size: int) -> None:
@@ -249,7 +255,9 @@ class PretrainBatches:
     plus "sample_index" and "row_index" (int64[micro_batch_size]) when include_indices=True, and for a
     mixture of corpora (training/data/mixture.py) "source_index", the corpus of each row. Every
     grad_acc consecutive items make this rank's share of one optimizer step. `data_dir` is one
-    directory or the corpora of a mixture.
+    directory or the corpora of a mixture. `objective` (`objectives.build_objective`) replaces the
+    span corruption the length and noise arguments set; its batches may add keys (attention_mask,
+    denoiser).
     """
 
     def __init__(
@@ -273,6 +281,7 @@ class PretrainBatches:
         pin_memory: bool = False,
         cursor: Cursor | dict | None = None,
         include_indices: bool = False,
+        objective=None,
     ) -> None:
         _check_rank(rank, world_size)
         if micro_batch_size < 1 or grad_acc < 1 or num_workers < 0:
@@ -286,9 +295,10 @@ class PretrainBatches:
         stores = []
         for k, corpus_dir in enumerate([data_dir] if self.corpora is None else [c.dir for c in self.corpora]):
             with mixture_errors(self.corpora, k):
-                self.corruption, store = _corruption_and_store(
+                self.objective, store = _objective_and_store(
                     corpus_dir,
                     split,
+                    objective=objective,
                     input_length=input_length,
                     noise_density=noise_density,
                     mean_noise_span_length=mean_noise_span_length,
@@ -328,12 +338,12 @@ class PretrainBatches:
     @property
     def input_length(self) -> int:
         """Encoder tokens per sample (columns of input_ids)."""
-        return self.corruption.input_length
+        return self.objective.input_length
 
     @property
     def target_length(self) -> int:
-        """Decoder targets per sample (columns of labels): 114 for input_length 512."""
-        return self.corruption.targets_length
+        """Decoder targets per sample (columns of labels): 114 for span corruption at input_length 512."""
+        return self.objective.target_length
 
     @property
     def cursor(self) -> Cursor:
@@ -389,7 +399,7 @@ class PretrainBatches:
         an unfinished global batch are handed out again)."""
         stream = _PretrainStream(
             self.sample_rows,
-            self.corruption,
+            self.objective,
             self._cursor.samples_consumed,
             self.seed,
             rank=self.rank,
@@ -418,7 +428,7 @@ class ValidationBatches:
     def __init__(
         self,
         store: RowStore,
-        corruption: SpanCorruption,
+        objective,
         *,
         rank: int,
         world_size: int,
@@ -428,7 +438,7 @@ class ValidationBatches:
         num_workers: int,
         include_indices: bool,
     ) -> None:
-        self.store, self.corruption = store, corruption
+        self.store, self.objective = store, objective
         self.rank, self.world_size, self.batch_size = rank, world_size, batch_size
         self.num_samples, self.seed = num_samples, seed
         self.num_workers, self.include_indices = num_workers, include_indices
@@ -462,10 +472,10 @@ class _ValidationStream(IterableDataset):
             real = positions < spec.num_samples
             row_ids = np.where(real, positions, positions % spec.num_samples)  # padding repeats real rows
             rows = spec.store.read(row_ids)
-            _check_token_ids(rows, spec.corruption, spec.store)
-            inputs, labels = spec.corruption.corrupt(rows, row_ids, spec.seed, NOISE_STREAM_VALIDATION)
-            labels[~real] = -100  # padding rows carry no loss and no tokens
-            batch = _to_batch(inputs, labels)
+            _check_token_ids(rows, spec.objective, spec.store)
+            arrays = spec.objective.make(rows, row_ids, spec.seed, NOISE_STREAM_VALIDATION)
+            arrays["labels"][~real] = -100  # padding rows carry no loss and no tokens
+            batch = _to_batch(arrays)
             if spec.include_indices:
                 batch["row_index"] = torch.from_numpy(np.where(real, row_ids, -1))
             yield batch
@@ -488,6 +498,7 @@ def validation_batches(
     sentinel_start_id: int = 32099,
     num_workers: int = 0,
     include_indices: bool = False,
+    objective=None,
 ) -> ValidationBatches:
     """The first `max_samples` rows of `split` (all by default), in order, with fixed noise keyed by
     (seed, row id), split over ranks without duplicates or losses.
@@ -502,9 +513,10 @@ def validation_batches(
     _check_rank(rank, world_size)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    corruption, store = _corruption_and_store(
+    objective, store = _objective_and_store(
         data_dir,
         split,
+        objective=objective,
         input_length=input_length,
         noise_density=noise_density,
         mean_noise_span_length=mean_noise_span_length,
@@ -517,7 +529,7 @@ def validation_batches(
         raise ValueError(f"max_samples must be >= 1, got {max_samples}")
     return ValidationBatches(
         store,
-        corruption,
+        objective,
         rank=rank,
         world_size=world_size,
         batch_size=batch_size,

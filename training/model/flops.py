@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from training.model.config import T5Config
@@ -40,6 +41,13 @@ def forward_flops(config: T5Config, batch_size: int, input_length: int, target_l
 def model_flops_per_step(config: T5Config, batch_size: int, input_length: int, target_length: int) -> float:
     """Forward + backward FLOPs of one training step (3x the forward)."""
     return 3.0 * forward_flops(config, batch_size, input_length, target_length)
+
+
+def samples_flops_per_step(config: T5Config, input_lengths, target_lengths) -> float:
+    """Forward + backward FLOPs of a batch whose samples have these real (unpadded) lengths."""
+    pairs, counts = np.unique(np.stack([np.asarray(input_lengths), np.asarray(target_lengths)], axis=1), axis=0,
+                              return_counts=True)
+    return sum(model_flops_per_step(config, int(n), int(s), int(t)) for (s, t), n in zip(pairs, counts))
 
 
 def measure_matmul_tflops(device, n: int = 8192, iters: int = 20) -> float:
