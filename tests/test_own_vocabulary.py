@@ -71,6 +71,9 @@ def test_trained_tokenizer_is_t5_shaped(tokenizer):
     assert [sp.id_to_piece(i) for i in range(6)] == ["<pad>", "</s>", "<unk>", *UL2_MODE_TOKENS]
     text = "Größenänderung ✓ « déjà » 😀"
     assert sp.unk_id() not in sp.encode(text) and sp.decode(sp.encode(text)) == text  # byte fallback
+    from training.data.objectives import sentencepiece_mode_ids
+
+    assert [sentencepiece_mode_ids(str(tokenizer))(t) for t in UL2_MODE_TOKENS] == [(3,), (4,), (5,)]  # one id each
     info = load_tokenizer(tokenizer).info
     assert (info.vocab_size, info.sentinel_start_id, info.num_sentinels) == (PIECES + 100, PIECES + 99, 100)
     hf = load_tokenizer(f"{tokenizer.with_suffix('')}-hf").info  # the same vocabulary as a directory
