@@ -47,8 +47,7 @@ def build_model(model_section, device: torch.device, init: str | None = None, vo
     newest complete checkpoint); any other path is a Hugging Face T5 directory or a nanoT5 state dict
     (shaped as the preset). Starting weights of another vocabulary size than `vocab`'s are refused.
     Dropout, the attention backend, the residual dtype, the FFN kernel and activation checkpointing
-    always come from
-    `model_section`.
+    always come from `model_section`.
     """
     overrides = {
         "dropout_rate": model_section.dropout_rate,
