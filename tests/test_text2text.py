@@ -127,11 +127,11 @@ def test_long_examples_are_truncated_and_counted_in_one_line(tokenizer, caplog):
 
 @pytest.mark.parametrize("rows, fmt, message", [
     ([{"sentence1": "x", "label": 0}], RTE_FORMAT,
-     r"train row 0: task.input template .* names 'sentence2', which the row lacks \(its fields: \['label', 'sentence1'\]\)"),
+     r"train row #0: task.input template .* names 'sentence2', which the row lacks \(its fields: \['label', 'sentence1'\]\)"),
     ([{"text": "x", "summary": "  "}], TextFormat("{text}", "{summary}"),
-     "train row 0: the target is empty: fix the row or task.target='{summary}'"),
+     "train row #0: the target is empty: fix the row or task.target='{summary}'"),
     ([{"sentence1": "x", "sentence2": "y", "label": 2}], RTE_FORMAT,
-     r"train row 0: label=2 is not an index into task.label_words \['entailment', 'not_entailment'\]"),
+     r"train row #0: label=2 is not an index into task.label_words \['entailment', 'not_entailment'\]"),
     ([], RTE_FORMAT, "the train split has no rows"),
 ])
 def test_bad_rows_are_refused_with_one_line(tokenizer, rows, fmt, message):

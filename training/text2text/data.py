@@ -158,7 +158,7 @@ def encode_split(rows: Sequence[Mapping[str, Any]], fmt: TextFormat, tokenizer: 
     long_inputs = long_targets = 0
     longest = 0
     for i, row in enumerate(rows):
-        source, refs = row_texts(row, fmt, f"{name} row {i}")
+        source, refs = row_texts(row, fmt, f"{name} row #{i}")
         ids = tokenizer.pieces(source)
         long_inputs += len(ids) + 1 > fmt.max_source_length
         labels = []
