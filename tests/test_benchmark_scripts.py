@@ -200,4 +200,4 @@ def test_sharding_benchmark_runs_on_cpu():
     lines = r.stdout.splitlines()
     header = lines.index(next(line for line in lines if line.split()[:2] == ["workers", "wall"]))
     cells = lines[header + 1].split()
-    assert cells[0] == "0" and len(cells) == 10 and all(float(c) > 0 for c in cells[1:6])
+    assert cells[0] == "0" and len(cells) == 11 and all(float(c) > 0 for c in cells[1:6])
