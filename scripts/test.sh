@@ -8,7 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 echo "== ruff"
 ruff check .
 if [ "$#" -eq 0 ]; then
-  echo "== pytest: the whole suite (about 16 minutes on a 2-core machine)"
+  echo "== pytest: the whole suite (about 12 minutes on an idle 2-core machine)"
 else
   echo "== pytest $*"
 fi
