@@ -22,35 +22,41 @@ import logging
 import os
 import sys
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from data_prep.invocation import command_name
-from training.checkpoint_weights import load_run_model
+from data_prep.tokenizer import DEFAULT_SPIECE
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors, run_main
-from training.distributed import shutdown_distributed
-from training.model.hf_compat import load_pretrained
 from training.run_dir import RunDir
-from training.sni.encoding import DEFAULT_SPIECE, SNITokenizer, TemplateConfig
-from training.sni.evaluate import build_eval_set, evaluate_sni
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, the model and the SNI code are imported where they are used: `--help` and a bad argument
+# are answered without the seconds their import takes.
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("bf16", "fp16", "fp32")  # --dtype: torch.bfloat16, torch.float16, torch.float32
 
 
 def load_model_for_eval(
     path: str | os.PathLike,
     preset: str | None = None,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
 ):
     """Our T5ForConditionalGeneration in eval mode on `device`, from
     - an HF directory with config.json (weights: safetensors or bin, sharded or not), or
     - a plain state-dict file, or a directory holding one without config.json, plus `preset`, or
     - one of our run directories (training/pretrain.py, training/finetune.py): its newest complete
       checkpoint."""
+    import torch
+
+    from training.checkpoint_weights import load_run_model
+    from training.model.hf_compat import load_pretrained
+
+    dtype = torch.float32 if dtype is None else dtype
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -68,6 +74,9 @@ def load_model_for_eval(
 
 def _dist_setup() -> tuple[int, int, torch.device]:
     """Rank, world size and device from a torchrun-style environment (1 process without one)."""
+    import torch
+    import torch.distributed as dist
+
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -108,8 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--length-penalty", type=float, default=1.0, help="beam search: score / length**penalty (HF's 1.0)"
     )
     p.add_argument("--max-source-length", type=int, default=1024, help="prompt length in tokens (1024)")
-    p.add_argument("--spiece", default=DEFAULT_SPIECE, help="T5 SentencePiece model")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype for generation")
+    p.add_argument("--spiece", default=str(DEFAULT_SPIECE), help="T5 SentencePiece model")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="model dtype for generation")
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the per-task subset (with --max-instances-per-task)"
     )
@@ -129,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate(args: argparse.Namespace) -> int:
+    import torch
+
+    from training.distributed import shutdown_distributed
+    from training.sni.encoding import SNITokenizer, TemplateConfig
+    from training.sni.evaluate import build_eval_set, evaluate_sni
+
     out = Path(args.out)
     if (out / "metrics.json").exists():
         raise ExpectedError(f"{out}/metrics.json exists: choose another --out (nothing was overwritten)")
@@ -144,7 +159,8 @@ def evaluate(args: argparse.Namespace) -> int:
             template=TemplateConfig(max_source_length=args.max_source_length),
         )
     with expected_errors(f"checkpoint {args.checkpoint}", ValueError):
-        model = load_model_for_eval(args.checkpoint, args.preset, device, DTYPES[args.dtype])
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        model = load_model_for_eval(args.checkpoint, args.preset, device, dtype)
     metrics = evaluate_sni(
         model,
         eval_set,
