@@ -24,21 +24,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from data_prep.invocation import command_name
-from training.checkpoint import (
-    LATEST_NAME,
-    META_NAME,
-    TMP_PREFIX,
-    CheckpointManager,
-    checkpoint_files,
-    rank_state_name,
-    write_atomic,
-)
-from training.checkpoint_checksums import blocks, checksum_record, hash_blocks
 from training.cli_errors import expected_errors, run_main
 from training.run_dir import RunDir
+
+# torch and the checkpoint code are imported where they are used: `--help` and a bad argument are
+# answered without the seconds their import takes.
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +38,8 @@ def _make_loadable_by_zero3(universal_dir: Path) -> None:
     """ds_to_universal (DeepSpeed 0.19) writes what ZeRO 1/2 engines read; a ZeRO 3 engine also looks for
     its module-state file under the stage-3 name and for the optimizer's step and hyper-parameters
     under `optimizer_state_dict` in zero/optimizer_state.pt. Add both (same content, no new data)."""
+    import torch
+
     os.link(universal_dir / "mp_rank_00_model_states.pt", universal_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     state_path = universal_dir / "zero" / "optimizer_state.pt"
     optim_sd = torch.load(state_path, weights_only=False)
@@ -61,6 +54,17 @@ def convert_to_universal(run_dir: str | Path, new_run_dir: str | Path, checkpoin
     """Write `checkpoint` (default: the run's newest complete one) as a universal checkpoint into
     `new_run_dir`/checkpoints/ and return its directory; the new run directory also gets the run's
     config and model config."""
+    from training.checkpoint import (
+        LATEST_NAME,
+        META_NAME,
+        TMP_PREFIX,
+        CheckpointManager,
+        checkpoint_files,
+        rank_state_name,
+        write_atomic,
+    )
+    from training.checkpoint_checksums import blocks, checksum_record, hash_blocks
+
     run_dir, new_run_dir = RunDir(run_dir), RunDir(new_run_dir)
     source = CheckpointManager(run_dir, keep_last=1, rank=0, world_size=1, barrier=lambda: None)
     src = Path(checkpoint) if checkpoint else source.find_resumable()  # find_resumable verifies
