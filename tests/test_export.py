@@ -14,8 +14,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.test_model_hf_compat import _batch as hf_compat_batch  # noqa: E402
+from tests.test_model_hf_compat import tiny_model  # noqa: E402
 from training.export import main as export_main  # noqa: E402
-from training.model import T5Config, T5ForConditionalGeneration  # noqa: E402
+from training.model import T5ForConditionalGeneration  # noqa: E402
 from training.model.hf_compat import (  # noqa: E402
     DEFAULT_MAX_SHARD_SIZE,
     hf_state_dict,
@@ -27,17 +29,11 @@ from training.model.hf_compat import (  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model() -> T5ForConditionalGeneration:
-    torch.manual_seed(0)
-    return T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math")).eval()
+    return tiny_model()
 
 
 def _batch():
-    g = torch.Generator().manual_seed(5)
-    input_ids = torch.randint(2, 32000, (2, 12), generator=g)
-    mask = torch.ones_like(input_ids)
-    mask[1, -3:] = 0
-    dec = torch.randint(2, 32000, (2, 6), generator=g)
-    return input_ids, mask, dec
+    return hf_compat_batch(high=32000)  # ids of the tokenizer's pieces (below its sentinels)
 
 
 def _logits(m, input_ids, mask, dec, hf: bool = False) -> torch.Tensor:

@@ -11,18 +11,24 @@ from training.model import T5Config, T5ForConditionalGeneration  # noqa: E402
 from training.model.hf_compat import load_pretrained, save_hf_directory, untie_hf_lm_head  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def model() -> T5ForConditionalGeneration:
+def tiny_model() -> T5ForConditionalGeneration:
+    """The tiny T5 (math attention, seed 0) in eval mode that the export tests compare (also tests/test_export.py)."""
     torch.manual_seed(0)
     return T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math")).eval()
 
 
-def _batch():
+@pytest.fixture(scope="module")
+def model() -> T5ForConditionalGeneration:
+    return tiny_model()
+
+
+def _batch(high: int = 32128):
+    """(input_ids with the last 3 positions of row 1 masked, their mask, decoder ids): ids in [2, high)."""
     g = torch.Generator().manual_seed(5)
-    input_ids = torch.randint(2, 32128, (2, 12), generator=g)
+    input_ids = torch.randint(2, high, (2, 12), generator=g)
     mask = torch.ones_like(input_ids)
     mask[1, -3:] = 0
-    dec = torch.randint(2, 32128, (2, 6), generator=g)
+    dec = torch.randint(2, high, (2, 6), generator=g)
     return input_ids, mask, dec
 
 
