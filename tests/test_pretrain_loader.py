@@ -28,6 +28,7 @@ from training.data import (
     PretrainBatches,
     RowStore,
     SpanCorruption,
+    WeightedCorpus,
     expand_sentinels,
     micro_batch_sample_indices,
     open_split,
@@ -410,6 +411,18 @@ def test_refuses_token_ids_that_collide_with_sentinels(tmp_path, spiece_path):
         root, rank=0, world_size=1, micro_batch_size=4, grad_acc=1, seed=0, num_workers=0
     )
     with pytest.raises(ValueError, match="token id 32090.*lowest sentinel id 32072"):
+        next(iter(loader))
+
+
+def test_refusing_token_ids_names_the_corpus_of_a_mixture_that_holds_them(tmp_path, spiece_path):
+    clean = np.full((4, 568), 5, dtype=np.uint16)
+    bad = clean.copy()
+    bad[1, 7] = 32095
+    dirs = [write_dataset(tmp_path / name, {"train": [rows], "validation": [rows]}, spiece_path)
+            for name, rows in (("clean", clean), ("other_vocabulary", bad))]
+    loader = PretrainBatches([WeightedCorpus("clean", str(dirs[0]), 1), WeightedCorpus("other", str(dirs[1]), 1)],
+                             rank=0, world_size=1, micro_batch_size=8, grad_acc=1, seed=0, num_workers=0)
+    with pytest.raises(ValueError, match=r"other_vocabulary.*token id 32095.*lowest sentinel id 32072"):
         next(iter(loader))
 
 

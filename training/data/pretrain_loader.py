@@ -143,10 +143,12 @@ def _to_batch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {name: torch.from_numpy(array) for name, array in arrays.items()}
 
 
-def _check_token_ids(rows: np.ndarray, objective, store: RowStore) -> None:
-    """Raw ids must stay below the sentinels (and so below the model's vocabulary)."""
+def _check_token_ids(rows: np.ndarray, objective, stores: Sequence[RowStore], sources: np.ndarray | None = None) -> None:
+    """Raw ids must stay below the sentinels (and so below the model's vocabulary). `sources` (a mixture:
+    the corpus index of each row) names the corpus of an offending row; one pass over the batch either way."""
     top = int(rows.max())
     if top >= objective.lowest_special_id:
+        store = stores[0 if sources is None else int(sources[int(np.argmax(rows.max(axis=1)))])]
         raise ValueError(
             f"{store.info.data_dir} ({store.info.split}): a row holds token id {top}, which is >= the lowest "
             f"sentinel id {objective.lowest_special_id}; the data was tokenised with another vocabulary "
@@ -189,8 +191,7 @@ class _PretrainStream(IterableDataset):
                 grad_acc=self.grad_acc,
             )
             rows, row_ids, sources = self.sample_rows.read(samples)
-            for k in np.unique(sources).tolist():
-                _check_token_ids(rows[sources == k], self.objective, self.sample_rows.stores[k])
+            _check_token_ids(rows, self.objective, self.sample_rows.stores, sources)
             batch = _to_batch(self.objective.make(rows, samples, self.seed, NOISE_STREAM_TRAIN))
             if self.include_indices:
                 batch["sample_index"] = torch.from_numpy(samples)
@@ -472,7 +473,7 @@ class _ValidationStream(IterableDataset):
             real = positions < spec.num_samples
             row_ids = np.where(real, positions, positions % spec.num_samples)  # padding repeats real rows
             rows = spec.store.read(row_ids)
-            _check_token_ids(rows, spec.objective, spec.store)
+            _check_token_ids(rows, spec.objective, [spec.store])
             arrays = spec.objective.make(rows, row_ids, spec.seed, NOISE_STREAM_VALIDATION)
             arrays["labels"][~real] = -100  # padding rows carry no loss and no tokens
             batch = _to_batch(arrays)
