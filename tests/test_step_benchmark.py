@@ -19,14 +19,17 @@ def test_variant_items_parse():
     from training.benchmark import main, parse_variant, variant_label
 
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,opteager,bf16residual,clipbefore,"
-                      "deterministic,regional,quackffn,objective=ul2,vocab=250112", ARGS)  # fmt: skip
+                      "deterministic,regional,quackffn,objective=ul2,vocab=250112,ckpt=block,hf", ARGS)  # fmt: skip
+    assert parse_variant("hf", ARGS)["fused_ce"] is False
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      opt_compiled=False, residual_dtype="autocast", clip_in_step=False, deterministic=True,
-                     regional=True, quack_ffn=True, objective="ul2", vocab_size=250112)  # fmt: skip
+                     regional=True, quack_ffn=True, objective="ul2", vocab_size=250112, checkpointing="block",
+                     hf=True)  # fmt: skip
     default = parse_variant("", ARGS)
     assert default == dict(attention="triton", compile=True, fused_ce=True, batch_size=128, mode="",
                            opt_compiled=True, residual_dtype="float32", clip_in_step=True, deterministic=False,
-                           regional=False, quack_ffn=False, objective="span_corruption", vocab_size=32128)  # fmt: skip
+                           regional=False, quack_ffn=False, objective="span_corruption", vocab_size=32128,
+                           checkpointing="none", hf=False)  # fmt: skip
     assert parse_variant("math", ARGS)["attention"] == "math"
     for pair, field, value in (("nocompile,compile", "compile", True), ("nofusedce,fusedce", "fused_ce", True),
                                ("opteager,optcompiled", "opt_compiled", True),
@@ -37,7 +40,7 @@ def test_variant_items_parse():
         assert parse_variant(pair, ARGS)[field] == value, pair
     labels = {item: variant_label(parse_variant(item, ARGS)) for item in
               ("", "opteager", "bf16residual", "clipbefore", "deterministic", "regional", "quackffn",
-               "objective=ul2", "vocab=250112")}  # fmt: skip
+               "objective=ul2", "vocab=250112", "ckpt=block", "ckpt=selective", "hf")}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     for item in ("fast", "cudnn", "flex", "nobias", "dbiaskernel", "fartiles", "nopdl", "torchgelu"):
         with pytest.raises(SystemExit, match=item):
@@ -45,6 +48,25 @@ def test_variant_items_parse():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             main([])
+
+
+def test_hf_variant_builds_transformers_t5_of_the_same_config():
+    """`hf` times transformers' T5 of the benchmarked config: the same parameters by name and shape as
+    ours (what export writes), the same loss for the same weights, and gradient checkpointing on
+    where a `ckpt=` item asks for it."""
+    from training.benchmark import hf_model
+    from training.model import T5Config, T5ForConditionalGeneration
+    from training.model.hf_compat import hf_state_dict
+
+    config = T5Config.from_preset("tiny", attention_backend="math", activation_checkpointing="block")
+    ours, theirs = T5ForConditionalGeneration(config), hf_model(config)
+    assert theirs.encoder.gradient_checkpointing and theirs.decoder.gradient_checkpointing
+    assert not hf_model(T5Config.from_preset("tiny", attention_backend="math")).encoder.gradient_checkpointing
+    weights = hf_state_dict(ours)
+    assert {k: p.shape for k, p in theirs.named_parameters()} == {k: v.shape for k, v in weights.items()}
+    theirs.load_state_dict(weights, strict=False)  # the stacks' embed_tokens are `shared` itself
+    x, y = torch.randint(2, 100, (2, 12)), torch.randint(2, 100, (2, 5))
+    torch.testing.assert_close(theirs(input_ids=x, labels=y).loss, ours(x, labels=y).loss, rtol=1e-4, atol=1e-5)
 
 
 def test_objective_variant_times_a_real_batch_of_the_objective():

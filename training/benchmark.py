@@ -25,7 +25,10 @@ regional|wholemodel (torch.compile each T5 block, the final norms and the loss o
 ZeRO 3's `model.zero3_compile=blocks` does, or the whole step as one graph as training does at ZeRO
 0-2), objective=ul2|prefix_lm (one batch of that objective, training/data/objectives.py, from random
 raw tokens at --input-length: its padded targets and attention mask; tokens/s and FLOPs count the real
-lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's). Each variant prints one
+lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's), ckpt=none|block|selective
+(T5Config.activation_checkpointing), hf (transformers' T5ForConditionalGeneration of the same config in
+place of ours: the model nanoT5 trains; its own attention and loss, gradient checkpointing for
+ckpt=block). Each variant prints one
 table row, ending with the loss of the last step and the sum of every parameter after it (two runs
 of the same variant are bit-identical when both are `deterministic`); --json appends one JSON
 object per variant to a file.
@@ -87,7 +90,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, opt_compiled=args.optimizer_compiled, residual_dtype=args.residual_dtype,
         clip_in_step=True, deterministic=False, regional=False, quack_ffn=False, objective="span_corruption",
-        vocab_size=T5Config.vocab_size,
+        vocab_size=T5Config.vocab_size, checkpointing="none", hf=False,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item in ATTENTION_BACKENDS:
@@ -103,8 +106,13 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
             variant["objective"] = item[10:]
         elif item.startswith("vocab="):
             variant["vocab_size"] = int(item[6:])
+        elif item.startswith("ckpt="):
+            variant["checkpointing"] = item[5:]
+        elif item == "hf":
+            variant["hf"] = True
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
+    variant["fused_ce"] = variant["fused_ce"] and not variant["hf"]  # transformers' T5 has its own loss
     return variant
 
 
@@ -119,7 +127,8 @@ def variant_label(v: dict) -> str:
     notes += ["QuACK FFN"] if v["quack_ffn"] else []
     notes += [v["objective"]] if v["objective"] != "span_corruption" else []
     notes += [f"vocab {v['vocab_size']}"] if v["vocab_size"] != T5Config.vocab_size else []
-    return ", ".join([v["attention"], *notes])
+    notes += [f"checkpointing {v['checkpointing']}"] if v["checkpointing"] != "none" else []
+    return ", ".join(["transformers T5" if v["hf"] else v["attention"], *notes])
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -140,9 +149,11 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     if variant["quack_ffn"]:
         quack_ffn.load()  # raises where QuACK cannot run, rather than time the default FFN under its name
     config = T5Config.from_preset(args.preset, attention_backend=variant["attention"], residual_dtype=variant[
-        "residual_dtype"], ffn_kernel="quack" if variant["quack_ffn"] else "default", vocab_size=variant["vocab_size"])
+        "residual_dtype"], ffn_kernel="quack" if variant["quack_ffn"] else "default", vocab_size=variant["vocab_size"],
+        activation_checkpointing=variant["checkpointing"])
     torch.manual_seed(0)
-    model = T5ForConditionalGeneration(config).to(device)
+    model = hf_model(config) if variant["hf"] else T5ForConditionalGeneration(config)
+    model = model.to(device)
     optimizer = build_optimizer(model, args.optimizer, variant["opt_compiled"])
     bs, src, tgt = variant["batch_size"], args.input_length, args.target_length
     input_ids = torch.randint(2, config.vocab_size, (bs, src), device=device)
@@ -157,6 +168,8 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     return_logits = not variant["fused_ce"]
 
     def loss_fn(ids, lab):
+        if variant["hf"]:
+            return model(input_ids=ids, labels=lab, attention_mask=mask).loss
         return model(ids, labels=lab, attention_mask=mask, return_logits=return_logits).loss
 
     # as training compiles the model
@@ -234,6 +247,23 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         param_sum=float(sum(p.detach().double().sum() for p in model.parameters())),
         optimizer=type(optimizer).__name__,
     )  # fmt: skip
+
+
+def hf_model(config: T5Config) -> torch.nn.Module:
+    """transformers' T5ForConditionalGeneration of `config` (variant `hf`), with gradient checkpointing
+    per block where `config.activation_checkpointing` asks for any. The head is its own parameter, as
+    T5 v1.1's is (transformers 5 ties it to the embedding whatever the config says)."""
+    import transformers
+
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(**config.to_hf_config()))
+    if not config.tie_word_embeddings:
+        model.config.tie_word_embeddings = False
+        if hasattr(model.config, "scale_decoder_outputs"):
+            model.config.scale_decoder_outputs = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    if config.activation_checkpointing != "none":
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def objective_batch(name: str, batch_size: int, input_length: int) -> dict:
