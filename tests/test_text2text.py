@@ -17,7 +17,7 @@ from training.sni.encoding import SNITokenizer
 from training.sni.evaluate import generate_predictions
 from training.text2text.data import TextFormat, encode_split, load_split, read_split
 from training.text2text.evaluate import evaluate_text2text, generation_length
-from training.text2text.metrics import score_examples, squad_f1
+from training.text2text.metrics import matthews_correlation, positive_class_f1, score_examples, squad_f1
 
 REPO = Path(__file__).resolve().parents[1]
 RTE = REPO / "tests/assets/glue/rte"
@@ -65,6 +65,33 @@ def test_squad_exact_match_f1_and_label_accuracy_by_hand():
                                                                           "accuracy": 0.0}
     assert corpus == {"exact_match": 50.0, "f1": 70.0, "accuracy": 25.0}
     assert squad_f1("the the", "a") == 0.0  # both normalise to nothing: SQuAD v1.1 scores 0
+
+
+def test_class_metrics_over_the_generated_labels():
+    """`mcc` is Matthews' correlation over the label classes, a generated text that is no label a class
+    of its own (scikit-learn's multi-class matthews_corrcoef; the figures below are its formula by
+    hand); `class_f1` the F1 of the second label word; both corpus-level, x100."""
+    # binary: true counts (2, 2), predicted (1, 3), 3 correct of 4: (3*4 - 8) / sqrt((16 - 10) (16 - 8))
+    assert matthews_correlation(list("aabb"), list("abbb")) == pytest.approx(4 / 48**0.5)
+    # the same as TP TN - FP FN over the margins with b positive: (2*1 - 1*0) / sqrt(3*2*2*1)
+    assert matthews_correlation(list("aabb"), list("abbb")) == pytest.approx(2 / 12**0.5)
+    # "x" is a third class: (3*4 - (1*2 + 2*2)) / sqrt((16 - 6) (16 - 8))
+    assert matthews_correlation(list("aabb"), list("axbb")) == pytest.approx(6 / 80**0.5)
+    assert matthews_correlation(list("aabb"), list("bbbb")) == 0.0  # one predicted class
+    assert matthews_correlation(list("abab"), list("abab")) == 1.0 and matthews_correlation(list("ab"), list("ba")) == -1.0
+    # positive e: TP 1, one false positive, two false negatives (one of them generated "x"): 2 / (2 + 3)
+    assert positive_class_f1(list("neee"), list("eenx"), "e") == pytest.approx(0.4)
+    assert positive_class_f1(list("nn"), list("nn"), "e") == 0.0
+    refs = {str(i): (t,) for i, t in enumerate(["no", "yes", "yes", "yes"])}
+    preds = {"0": "yes", "1": " yes", "2": "no", "3": "maybe"}
+    corpus, per_example = score_examples(preds, refs, ["class_f1", "mcc", "accuracy"], labels=("no", "yes"))
+    assert corpus == {"class_f1": 40.0, "mcc": round(100 * matthews_correlation(
+        ["no", "yes", "yes", "yes"], ["yes", "yes", "no", "maybe"]), 4), "accuracy": 25.0}
+    assert set(per_example["0"]) == {"accuracy"}  # the class metrics have no per-example score
+    with pytest.raises(ValueError, match="set task.label_words to the task's labels"):
+        score_examples(preds, refs, ["mcc"])
+    with pytest.raises(ValueError, match="set task.label_words to two labels"):
+        score_examples(preds, refs, ["class_f1"], labels=("a", "b", "c"))
 
 
 def test_unknown_metric_and_missing_prediction_are_refused():
@@ -148,7 +175,9 @@ def test_task_config_refusals():
                                (["eval.best_metric=f1"], r"eval.best_metric='f1' must be one of task.metrics \['accuracy'\]"),
                                (["task.input="], "task.input must be a template"),
                                (["task.input={premise"], "task.input='{premise' is not a format template"),
-                               (["eval.best_metric=null", "eval.patience=3"], "eval.patience needs eval.best_metric")):
+                               (["eval.best_metric=null", "eval.patience=3"], "eval.patience needs eval.best_metric"),
+                               (["task.metrics=[mcc]", "eval.best_metric=mcc", "task.label_words=[]"],
+                                "mcc scores generated labels: set task.label_words")):
         with pytest.raises(ConfigError, match=message):
             load_run_config(rte, overrides, root=FinetuneConfig)
     with pytest.raises(ConfigError, match="eval.best_metric needs a validation split: SNI has none"):
@@ -184,13 +213,19 @@ def test_two_ranks_score_every_example_once_as_one_rank(tokenizer, tmp_path):
         assert world_size == 2 and local == shares[0]
         return {**shares[0], **shares[1]}
 
-    two = evaluate_text2text(model, split, tokenizer, ["accuracy", "f1"], out_dir=tmp_path / "two", batch_size=3,
-                             rank=0, world_size=2, max_new_tokens=8, gather=gather)
+    two = evaluate_text2text(model, split, tokenizer, ["accuracy", "f1", "mcc", "class_f1"], out_dir=tmp_path / "two",
+                             batch_size=3, rank=0, world_size=2, max_new_tokens=8, gather=gather,
+                             labels=RTE_FORMAT.label_words)  # fmt: skip
     assert {k: two[k] for k in ("accuracy", "f1", "n_examples")} == {k: one[k] for k in ("accuracy", "f1", "n_examples")}
+    truth = [split.references[e.id][0] for e in split.examples]
+    predicted = [{**shares[0], **shares[1]}[e.id] for e in split.examples]
+    assert two["mcc"] == round(100 * matthews_correlation(truth, predicted), 4)
+    assert two["class_f1"] == round(100 * positive_class_f1(truth, predicted, "not_entailment"), 4)
     assert 0 < one["accuracy"] < 100 and one["generated_tokens"] > 0 and one["examples_per_s"] > 0
     lines = [json.loads(x) for x in (tmp_path / "two" / "predictions.jsonl").read_text().splitlines()]
     assert [x["id"] for x in lines] == [e.id for e in split.examples]
     assert lines[0]["prediction"] in ("entailment", "not_entailment") and set(lines[0]["scores"]) == {"accuracy", "f1"}
+    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["mcc"] == two["mcc"]
     assert json.loads((tmp_path / "two" / "metrics.json").read_text())["accuracy"] == two["accuracy"]
     with pytest.raises(RuntimeError, match="examples got no prediction after gathering"):
         evaluate_text2text(model, split, tokenizer, ["accuracy"], rank=0, world_size=2, gather=lambda local, n: local)

@@ -48,7 +48,8 @@ class TaskConfig:
     label_words: tuple[str, ...] = ()
     """text2text: integer label i -> label_words[i] (e.g. [entailment, not_entailment]); empty = as is."""
     metrics: tuple[str, ...] = ()
-    """text2text: exact_match | f1 | accuracy | rouge1 | rouge2 | rougeL | bleu (training/text2text/metrics.py)."""
+    """text2text: exact_match | f1 | accuracy | rouge1 | rouge2 | rougeL | bleu | mcc | class_f1
+    (training/text2text/metrics.py; mcc and class_f1 score the generated labels of task.label_words)."""
     train_split: str = "train"
     validation_split: str | None = "validation"
     """text2text: evaluated every eval.every_steps and at the end (best-checkpoint selection); null = none."""
@@ -68,7 +69,7 @@ class TaskConfig:
                 raise ConfigError(f"{key}={template!r} is not a format template ({exc}): write fields as "
                                   "{name}, literal braces as {{ and }}") from None
         try:
-            check_metric_names(self.metrics)
+            check_metric_names(self.metrics, self.label_words)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         _check(bool(self.validation_split or self.test_split),

@@ -83,7 +83,8 @@ class Text2TextFinetuneTask:
         result = evaluate_text2text(model, data, self.tokenizer, self.cfg.task.metrics,
                                     out_dir=run_dir.eval_dir(split, step), batch_size=e.batch_size, rank=rank,
                                     world_size=world_size, max_new_tokens=max_new, device=device,
-                                    num_beams=e.num_beams, length_penalty=e.length_penalty)
+                                    num_beams=e.num_beams, length_penalty=e.length_penalty,
+                                    labels=self.cfg.task.label_words)
         record = {"step": step, **{k: v for k, v in result.items() if k != "decoding"}}
         logger.info("[eval] Step %d | %s %s | %d examples", step, split,
                     " | ".join(f"{m} --> {result[m]:.2f}" for m in self.cfg.task.metrics), result["n_examples"])

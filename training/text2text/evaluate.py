@@ -54,6 +54,7 @@ def evaluate_text2text(
     device: torch.device | None = None,
     num_beams: int = 1,
     length_penalty: float = 1.0,
+    labels: Sequence[str] = (),
     gather: Callable[[dict[str, str], int], dict[str, str]] = gather_predictions,
 ) -> dict:
     """Generate this rank's share, gather, score; rank 0 writes out_dir (if given). Every rank calls
@@ -70,7 +71,7 @@ def evaluate_text2text(
     seconds = time.time() - start
     metrics = None
     if rank == 0:
-        corpus, scores = score_examples(predictions, split.references, metric_names)
+        corpus, scores = score_examples(predictions, split.references, metric_names, labels)
         metrics = {**corpus, "split": split.name, "n_examples": len(split.examples),
                    "eval_seconds": round(seconds, 2), "examples_per_s": round(len(split.examples) / seconds, 2),
                    "generated_tokens": int(generated), "generated_tokens_per_s": round(generated / seconds, 1),
