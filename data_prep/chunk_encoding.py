@@ -57,9 +57,12 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def init_worker(tokenizer_path: str, text_field: str, dtype: str, parent_pid: int | None = None) -> None:
+def init_worker(tokenizer_path: str, text_field: str, dtype: str, parent_pid: int | None = None,
+                stop=None) -> None:
+    """`stop`: a multiprocessing Event; once set, whole-file tasks end at their next chunk (the run failed)."""
     if parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    _WORKER["stop"] = stop
     _WORKER["tokenizer"] = load_tokenizer(tokenizer_path)
     _WORKER["text_field"] = text_field
     _WORKER["dtype"] = np.dtype(dtype)
@@ -188,6 +191,8 @@ def encode_unit(task: UnitTask, chunk_docs: int, spill: str) -> list[tuple[Chunk
     out, offset = [], 0
     with open(spill, "wb") as f:
         for chunk in _line_chunks(task, chunk_docs):
+            if _WORKER["stop"] is not None and _WORKER["stop"].is_set():
+                break  # the answer is not read: the main process is stopping after an error
             payloads = chunk.payloads if chunk.records is not None else split_lines(chunk.block)
             tokens, lengths, skips = encode_chunk(chunk.fmt, payloads)
             tokens.tofile(f)

@@ -154,13 +154,14 @@ def run_sharding(cfg: ShardConfig) -> dict:
         save_progress(out, state)
     save_state = ProgressWriter(out, state).save
 
-    executor = None
+    executor, context = None, multiprocessing.get_context("spawn")
+    stop = context.Event()  # set on an error, so that workers reading whole files give up at once
     if cfg.workers > 0:
         executor = ProcessPoolExecutor(
             cfg.workers,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=context,
             initializer=init_worker,
-            initargs=(cfg.tokenizer, cfg.text_field, dtype.str, os.getpid()),
+            initargs=(cfg.tokenizer, cfg.text_field, dtype.str, os.getpid(), stop),
         )
     else:
         init_worker(cfg.tokenizer, cfg.text_field, dtype.str)
@@ -169,6 +170,9 @@ def run_sharding(cfg: ShardConfig) -> dict:
         for split, split_state in state["splits"].items():
             if not split_state["done"]:
                 first_skips[split] = run_split(split, sources[split], cfg, dtype, split_state, save_state, executor)
+    except BaseException:
+        stop.set()
+        raise
     finally:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)

@@ -14,7 +14,7 @@ import pytest
 
 from data_prep.chunk_encoding import UnitTask, iter_chunks
 from data_prep.shard import KILL_AFTER_SHARD_ENV, ShardConfig, load_progress, run_sharding
-from data_prep.shard_config import resolve_split_sources
+from data_prep.shard_config import DataError, resolve_split_sources
 from data_prep.shard_format import load_manifest
 
 OPTS = {"rows_per_shard": 16, "rows_per_block": 4, "chunk_docs": 37, "progress": False}
@@ -87,3 +87,12 @@ def test_resume_after_kill_with_whole_files(tmp_path: Path, corpus: str, in_proc
     assert resumed.returncode == 0, resumed.stderr
     assert dataset_bytes(out) == dataset_bytes(in_process)
     assert without_run(load_manifest(out)) == without_run(load_manifest(in_process))
+
+
+def test_strict_stops_at_the_broken_file_and_keeps_finished_shards(tmp_path: Path, corpus: str, in_process: Path):
+    out = tmp_path / "strict"
+    with pytest.raises(DataError, match=r"c4-train\.00006-of-00008\.json\.gz:\d+: corrupt_gzip:.*--strict"):
+        run_sharding(ShardConfig(input=corpus, output=str(out), workers=2, strict=True, **OPTS))
+    kept = sorted((out / "train").glob("shard-*.tar"))
+    assert kept and all(p.read_bytes() == (in_process / "train" / p.name).read_bytes() for p in kept)
+    assert not (out / ".train-unit-tokens").exists()
