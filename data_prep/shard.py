@@ -3,9 +3,10 @@
     python -m data_prep.shard --input 'assets/c4/en/c4-*.json.gz' --output data/c4-sample
     python -m data_prep.shard --input allenai/c4 --hf-config en --output data/c4 --workers 16
 
-Pipeline: the main process reads the input in order and groups it into chunks (blocks of raw lines
-for line-per-document files); a process pool encodes chunks (line splitting, JSON parsing +
-tokenisation) and returns them *in order* (a bounded window of futures); the main process appends
+Pipeline: a process pool encodes the input in chunks (line splitting, JSON parsing + tokenisation):
+whole line-per-document files that each worker reads itself when there are enough of them, else
+chunks the main process reads (`data_prep.chunk_encoding`); the results come back *in order* (a
+bounded window of futures), and the main process appends
 the EOS-terminated documents to one token stream per split and cuts it into rows of `row_length`
 tokens, and a writer thread writes a shard every `rows_per_shard` rows (`data_prep.shard_writer`).
 Output is therefore byte-identical whatever the worker count.
@@ -242,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=max(1, len(os.sched_getaffinity(0))),
-        help="encoder processes (default: usable cores; the main process that reads and packs needs a share of one)",
+        help="encoder processes (default: usable cores; the main process that packs needs a share of one)",
     )
     p.add_argument("--chunk-docs", type=int, default=512, help="documents per pool task")
     p.add_argument("--part", default=None, metavar="K/N",
