@@ -7,11 +7,11 @@
 Raw rate: `sp.encode(list_of_texts, num_threads=1)` over all documents (one thread, text already in
 memory). Sharding rate: wall time of `run_sharding` (pool start, reading + gunzip, JSON parsing,
 encoding, packing, writing shards) for each worker count, on the same files. The goal is a per-worker
-rate >= 0.8 x the raw rate and near-linear scaling while workers < cores (the main process that
-reads and packs needs a share of a core too: `main cores` is its CPU time, threads included, per
-wall second). --per-worker reads W x --copies copies with W workers, so that every run lasts about
-as long and the pool's start-up stays a small share of it; the copies are links to the same files
-(SentencePiece keeps no cache, so a repeated document costs what a new one does).
+rate >= 0.8 x the raw rate and near-linear scaling while workers < cores (the main process packs,
+and reads too with fewer than 4 files per worker, so it needs a share of a core: `main cores` is its
+CPU time, threads included, per wall second). --per-worker reads W x --copies copies with W workers,
+so every run lasts about as long and the pool's start-up stays a small share of it; the copies are
+links to the same files (SentencePiece keeps no cache: a repeated document costs what a new one does).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
     python -m data_prep.shard --input 'assets/c4/en/c4-*.json.gz' --output data/c4-sample
     python -m data_prep.shard --input allenai/c4 --hf-config en --output data/c4 --workers 16
 
-Pipeline: the main process reads the input in order and groups it into chunks (blocks of raw lines
-for line-per-document files); a process pool encodes chunks (line splitting, JSON parsing +
-tokenisation) and returns them *in order* (a bounded window of futures); the main process appends
+Pipeline: a process pool encodes the input in chunks (line splitting, JSON parsing + tokenisation):
+whole line-per-document files that each worker reads itself when there are enough of them, else
+chunks the main process reads (`data_prep.chunk_encoding`); the results come back *in order* (a
+bounded window of futures), and the main process appends
 the EOS-terminated documents to one token stream per split and cuts it into rows of `row_length`
 tokens, and a writer thread writes a shard every `rows_per_shard` rows (`data_prep.shard_writer`).
 Output is therefore byte-identical whatever the worker count.
@@ -154,13 +155,14 @@ def run_sharding(cfg: ShardConfig) -> dict:
         save_progress(out, state)
     save_state = ProgressWriter(out, state).save
 
-    executor = None
+    executor, context = None, multiprocessing.get_context("spawn")
+    stop = context.Event()  # set on an error, so that workers reading whole files give up at once
     if cfg.workers > 0:
         executor = ProcessPoolExecutor(
             cfg.workers,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=context,
             initializer=init_worker,
-            initargs=(cfg.tokenizer, cfg.text_field, dtype.str, os.getpid()),
+            initargs=(cfg.tokenizer, cfg.text_field, dtype.str, os.getpid(), stop),
         )
     else:
         init_worker(cfg.tokenizer, cfg.text_field, dtype.str)
@@ -169,6 +171,9 @@ def run_sharding(cfg: ShardConfig) -> dict:
         for split, split_state in state["splits"].items():
             if not split_state["done"]:
                 first_skips[split] = run_split(split, sources[split], cfg, dtype, split_state, save_state, executor)
+    except BaseException:
+        stop.set()
+        raise
     finally:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
@@ -238,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=max(1, len(os.sched_getaffinity(0))),
-        help="encoder processes (default: usable cores; the main process that reads and packs needs a share of one)",
+        help="encoder processes (default: usable cores; the main process that packs needs a share of one)",
     )
     p.add_argument("--chunk-docs", type=int, default=512, help="documents per pool task")
     p.add_argument("--part", default=None, metavar="K/N",

@@ -20,10 +20,13 @@ import logging
 import os
 import queue
 import threading
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+# ISA-L inflates gzip about 3.5x faster than zlib (14.6 MB of Wikipedia JSON lines: 0.035 against
+# 0.123 CPU s), and in a sharding run every input byte is inflated once.
+from isal import isal_zlib
 
 logger = logging.getLogger(__name__)
 
@@ -119,16 +122,16 @@ _READ_SIZE = 1 << 16  # compressed bytes per read: what a CRC failure can take w
 
 def _inflate_blocks(path: str) -> Iterator[bytes]:
     """Decompressed blocks of a gzip file (multi-member aware); raises where the stream breaks:
-    EOFError for a truncated file, zlib.error for damaged data or a failed CRC."""
+    EOFError for a truncated file, isal_zlib.error for damaged data or a failed CRC."""
     with open(path, "rb") as f:
-        d, in_member = zlib.decompressobj(31), False
+        d, in_member = isal_zlib.decompressobj(31), False
         while chunk := f.read(_READ_SIZE):
             while chunk:
                 in_member = True
                 data = d.decompress(chunk)
                 chunk = b""
                 if d.eof:  # end of a gzip member; the next (if any) starts in unused_data
-                    chunk, d, in_member = d.unused_data, zlib.decompressobj(31), False
+                    chunk, d, in_member = d.unused_data, isal_zlib.decompressobj(31), False
                 if data:
                     yield data
         if in_member:
@@ -152,11 +155,9 @@ def _iter_gzip_lines(path: str) -> Iterator[bytes]:
 
 
 def _iter_gzip_blocks(path: str) -> Iterator[bytes]:
-    """Decompressed blocks of a gzip file, inflated by a background thread; a break is raised after
+    """Decompressed blocks of a gzip file, inflated by a background thread up to `_PREFETCH_BLOCKS`
+    ahead of the consumer (the inflater releases the GIL while it works); a break is raised after
     the blocks before it.
-
-    zlib releases the GIL while inflating, so the thread overlaps gunzip (most of the main process's
-    work) with the main process's Python work.
     """
     blocks: queue.Queue = queue.Queue(maxsize=_PREFETCH_BLOCKS)
     stop = threading.Event()
@@ -277,7 +278,7 @@ def _iter_raw_lines(path: str) -> Iterator[bytes]:
             yield from f
 
 
-_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile, OSError)
+_GZIP_ERRORS = (EOFError, isal_zlib.error, gzip.BadGzipFile, OSError)
 
 
 def _crc_note(exc: BaseException) -> str:

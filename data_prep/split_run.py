@@ -81,8 +81,10 @@ def run_split(split: str, source: Source, cfg: ShardConfig, dtype: np.dtype, sta
     t0, tokens_done = time.perf_counter(), 0
     window = max(1, cfg.workers) * _WINDOW_PER_WORKER
     try:
+        tasks = iter_chunks(source, tuple(state["position"]), cfg.chunk_docs, cfg.workers if executor else 0)
+        spill_dir = cfg.output_dir / f".{split}-unit-tokens"
         for chunk, (tokens, lengths, chunk_skips) in ordered_results(
-            iter_chunks(source, tuple(state["position"]), cfg.chunk_docs), executor, window
+            tasks, executor, window, spill_dir, cfg.chunk_docs, dtype
         ):
             per_record, chunk_skip_list = _chunk_records(chunk, lengths, chunk_skips)
             used = chunk.num_records
