@@ -25,10 +25,10 @@ regional|wholemodel (torch.compile each T5 block, the final norms and the loss o
 ZeRO 3's `model.zero3_compile=blocks` does, or the whole step as one graph as training does at ZeRO
 0-2), objective=ul2|prefix_lm (one batch of that objective, training/data/objectives.py, from random
 raw tokens at --input-length: its padded targets and attention mask; tokens/s and FLOPs count the real
-lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's). Each variant prints one
-table row, ending with the loss of the last step and the sum of every parameter after it (two runs
-of the same variant are bit-identical when both are `deterministic`); --json appends one JSON
-object per variant to a file.
+lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's), bias=auto|dense|row
+(T5Config.attention_bias_layout). Each variant prints one table row, ending with the loss of the last
+step and the sum of every parameter after it (two runs of the same variant are bit-identical when
+both are `deterministic`); --json appends one JSON object per variant to a file.
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ _SWITCHES = {
     "deterministic": ("deterministic", True),
     "regional": ("regional", True), "wholemodel": ("regional", False),
 }  # fmt: skip
+_SETTINGS = {"bs": ("batch_size", int), "mode": ("mode", str), "objective": ("objective", str),  # name=value
+             "vocab": ("vocab_size", int), "bias": ("bias_layout", str)}  # fmt: skip
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
@@ -87,22 +89,18 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, opt_compiled=args.optimizer_compiled, residual_dtype=args.residual_dtype,
         clip_in_step=True, deterministic=False, regional=False, quack_ffn=False, objective="span_corruption",
-        vocab_size=T5Config.vocab_size,
+        vocab_size=T5Config.vocab_size, bias_layout=T5Config.attention_bias_layout,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, value = item.partition("=")
         if item in ATTENTION_BACKENDS:
             variant["attention"] = item
         elif item in _SWITCHES:
             field, value = _SWITCHES[item]
             variant[field] = value
-        elif item.startswith("bs="):
-            variant["batch_size"] = int(item[3:])
-        elif item.startswith("mode="):
-            variant["mode"] = item[5:]
-        elif item.startswith("objective="):
-            variant["objective"] = item[10:]
-        elif item.startswith("vocab="):
-            variant["vocab_size"] = int(item[6:])
+        elif value and name in _SETTINGS:
+            field, kind = _SETTINGS[name]
+            variant[field] = kind(value)
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     return variant
@@ -119,6 +117,7 @@ def variant_label(v: dict) -> str:
     notes += ["QuACK FFN"] if v["quack_ffn"] else []
     notes += [v["objective"]] if v["objective"] != "span_corruption" else []
     notes += [f"vocab {v['vocab_size']}"] if v["vocab_size"] != T5Config.vocab_size else []
+    notes += [f"{v['bias_layout']} bias"] if v["bias_layout"] != T5Config.attention_bias_layout else []
     return ", ".join([v["attention"], *notes])
 
 
@@ -140,7 +139,8 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     if variant["quack_ffn"]:
         quack_ffn.load()  # raises where QuACK cannot run, rather than time the default FFN under its name
     config = T5Config.from_preset(args.preset, attention_backend=variant["attention"], residual_dtype=variant[
-        "residual_dtype"], ffn_kernel="quack" if variant["quack_ffn"] else "default", vocab_size=variant["vocab_size"])
+        "residual_dtype"], ffn_kernel="quack" if variant["quack_ffn"] else "default", vocab_size=variant["vocab_size"],
+        attention_bias_layout=variant["bias_layout"])
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config).to(device)
     optimizer = build_optimizer(model, args.optimizer, variant["opt_compiled"])
