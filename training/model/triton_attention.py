@@ -31,6 +31,12 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
   than the recomputation saves (a layer without a bias: 2.05 ms recomputed, 2.25 from dS).
 - The bias gradient is the stored dS summed over the batch by `triton_bias_grad.batch_sum`, in one
   fixed order (bit-identical from run to run); in the encoder, given `far`, it reads about half of dS.
+- A relative bias given as its (H, SQ + SK - 1) row (long inputs, `attention.row_bias_applies`):
+  the kernels read it along each tile's diagonals, and the backward stores no dS: dQ recomputed
+  (`_bwd_dq_kernel`), and the dK/dV kernel, in square tiles (DKDV_ROW_TILES), keeps only the band
+  of dS tiles within `far` of the diagonal and sums the others per head and side; the row's
+  gradient comes from those (`triton_bias_grad.row_sum`), in fixed orders. The short-query
+  one-block backward is not used with a row.
 
 Wrapped with `torch.library.triton_op` so torch.compile traces it without graph breaks; the ops
 take `launch_settings()`, a digest of the tile tables and of the source, so that compile caches
@@ -450,7 +456,8 @@ def t5_flash_attention_packed(
 
     Self-attention: q_src (B, S, 3 H D) = [q | k | v], kv_src None. Cross-attention: q_src
     (B, SQ, H D), kv_src (B, SK, 2 H D) = [k | v]. The bias is (H, SQ, SK) fp32, shared by the
-    batch. The backward returns each source's gradient as one tensor (the kernels write dq, dk, dv
+    batch, or a relative one as its (H, SQ + SK - 1) row, bias[h, q, k] = row[h, k - q + SQ - 1]
+    (long inputs: no (H, SQ, SK) tensor in the forward or the backward). The backward returns each source's gradient as one tensor (the kernels write dq, dk, dv
     into it; autograd has no concatenation to do). bias_far > 0 promises that the bias is constant
     per head wherever key - query >= bias_far and wherever query - key >= bias_far
     (`attention.bias_saturation_distance`); the bias gradient's batch sum of an attention without a
@@ -460,6 +467,10 @@ def t5_flash_attention_packed(
     q_src = _kernel_ready(q_src)
     kv_src = q_src.new_empty((0,)) if kv_src is None else _kernel_ready(kv_src).to(q_src.dtype)
     bias = q_src.new_empty((0,), dtype=torch.float32) if bias is None else bias.float().contiguous()
+    sq, sk = q_src.shape[1], (q_src if kv_src.numel() == 0 else kv_src).shape[1]
+    if bias.dim() == 2 and bias.shape[-1] != sq + sk - 1:
+        raise ValueError(f"a relative bias row of {bias.shape[-1]} offsets for {sq} queries x {sk} keys: "
+                         f"it needs queries + keys - 1 = {sq + sk - 1}")  # fmt: skip
     key_mask = (
         q_src.new_empty((0,), dtype=torch.uint8)
         if key_mask is None
