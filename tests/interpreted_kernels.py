@@ -135,6 +135,18 @@ def check_attention() -> None:
                 _check(f"  dbias ({how})", dbias, br.grad, 3e-5)
 
 
+def _self_attention_inputs(b: int, sq: int, heads: int, d: int, padded: bool):
+    """q, k, v (b, sq, heads, d); the key mask (uint8, padding in the second row, or empty); the
+    packed [q | k | v] source, an empty kv source; and an output gradient (b, sq, heads * d)."""
+    q, k, v = (torch.randn(b, sq, heads, d) for _ in range(3))
+    key_mask = q.new_empty((0,), dtype=torch.uint8)
+    if padded:
+        key_mask = torch.ones(b, sq, dtype=torch.uint8)
+        key_mask[1, sq // 3 :] = 0
+    qkv, none = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1), q.new_empty((0,))
+    return q, k, v, key_mask, qkv, none, torch.randn(b, sq, heads * d)
+
+
 def check_far_bias_gradient() -> None:
     """The backward given `far` with a T5 bias (8 buckets up to distance 16, so that it saturates within
     these lengths): the source gradients are the very same as without it; without a causal mask the
@@ -147,13 +159,7 @@ def check_far_bias_gradient() -> None:
         table = torch.randn(8, heads)
         buckets = relative_position_bucket(torch.arange(sq)[None, :] - torch.arange(sq)[:, None], not causal, 8, 16)
         bias = table[buckets].permute(2, 0, 1).contiguous()
-        q, k, v = (torch.randn(b, sq, heads, d) for _ in range(3))
-        key_mask = q.new_empty((0,), dtype=torch.uint8)
-        if padded:
-            key_mask = torch.ones(b, sq, dtype=torch.uint8)
-            key_mask[1, sq // 3 :] = 0
-        qkv, none = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1), q.new_empty((0,))
-        dout = torch.randn(b, sq, heads * d)
+        q, k, v, key_mask, qkv, none, dout = _self_attention_inputs(b, sq, heads, d, padded)
         out, lse = ta._launch_fwd(qkv, none, bias, key_mask, causal, heads)
         whole = ta._launch_bwd(qkv, none, bias, key_mask, out, lse, dout, causal, heads)
         given_far = ta._launch_bwd(qkv, none, bias, key_mask, out, lse, dout, causal, heads, far)
@@ -200,13 +206,7 @@ def check_row_bias() -> None:
         buckets = relative_position_bucket(offsets, not causal, 8, 16)
         table = torch.randn(8, heads)
         row = table[buckets].t().contiguous() if t5_bias else torch.randn(heads, 2 * sq - 1)
-        q, k, v = (torch.randn(b, sq, heads, d) for _ in range(3))
-        key_mask = q.new_empty((0,), dtype=torch.uint8)
-        if padded:
-            key_mask = torch.ones(b, sq, dtype=torch.uint8)
-            key_mask[1, sq // 3 :] = 0
-        qkv, none = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1), q.new_empty((0,))
-        dout = torch.randn(b, sq, heads * d)
+        q, k, v, key_mask, qkv, none, dout = _self_attention_inputs(b, sq, heads, d, padded)
         out, lse = ta._launch_fwd(qkv, none, row, key_mask, causal, heads)
         dqkv, _, drow = ta._launch_bwd(qkv, none, row, key_mask, out, lse, dout, causal, heads, far)
         table_r, row_r = table.clone().requires_grad_(), row.clone().requires_grad_()

@@ -457,11 +457,12 @@ def t5_flash_attention_packed(
     Self-attention: q_src (B, S, 3 H D) = [q | k | v], kv_src None. Cross-attention: q_src
     (B, SQ, H D), kv_src (B, SK, 2 H D) = [k | v]. The bias is (H, SQ, SK) fp32, shared by the
     batch, or a relative one as its (H, SQ + SK - 1) row, bias[h, q, k] = row[h, k - q + SQ - 1]
-    (long inputs: no (H, SQ, SK) tensor in the forward or the backward). The backward returns each source's gradient as one tensor (the kernels write dq, dk, dv
-    into it; autograd has no concatenation to do). bias_far > 0 promises that the bias is constant
-    per head wherever key - query >= bias_far and wherever query - key >= bias_far
-    (`attention.bias_saturation_distance`); the bias gradient's batch sum of an attention without a
-    causal mask then reads about half of dS. 0: no promise.
+    (long inputs: no (H, SQ, SK) tensor in the forward or the backward). The backward returns each
+    source's gradient as one tensor (the kernels write dq, dk, dv into it; autograd has no
+    concatenation to do). bias_far > 0 promises that the bias is constant per head wherever key -
+    query >= bias_far and wherever query - key >= bias_far (`attention.bias_saturation_distance`);
+    the bias gradient's batch sum of an attention without a causal mask then reads about half of
+    dS, and a row's backward keeps dS only within bias_far of the diagonal. 0: no promise.
     """
     _check_supported(q_src.shape[-1] // (3 if kv_src is None else 1) // heads)
     q_src = _kernel_ready(q_src)
