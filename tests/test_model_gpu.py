@@ -185,11 +185,13 @@ def test_triton_matches_math_bf16(case):
 MODEL_LENGTHS = [(96, 40), (200, 150)]
 
 
+@pytest.mark.parametrize("layout", ["auto", "row"])
 @pytest.mark.parametrize("lengths", MODEL_LENGTHS, ids=str)
-def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(lengths, monkeypatch):
+def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(lengths, layout, monkeypatch):
     """The tiny model with the triton backend, eager and compiled with fullgraph=True, against the
     math backend with torch's GELU and norms (the Triton GELU and add + norm ops turned off for the
-    reference run): loss and every parameter's gradient."""
+    reference run): loss and every parameter's gradient. `layout` "row": the stacks hand the fused
+    attention its bias as the relative row (T5Config.attention_bias_layout, as at long inputs)."""
     inputs, targets = lengths
     torch.manual_seed(0)
     config = T5Config.from_preset("tiny", attention_backend="math", num_layers=3)
@@ -207,6 +209,7 @@ def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(len
         for m in model.modules():
             if hasattr(m, "backend"):
                 m.backend = backend
+        config.attention_backend, config.attention_bias_layout = backend, layout
         # the reference runs torch's GELU and norms too
         tg._OP, tn._OP = ops if backend == "triton" else (None, None)
         model.zero_grad()

@@ -227,8 +227,9 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, FAR_SUMS,
         # Not for thinner query blocks: with it, Triton 3.6's code for them races on an H200 (dK
         # wrong and different from run to run without a bias); serialized, it is right.
         tl.assume(SQ > start_m)
-    far_left = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
-    far_right = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
+    # Per query row of the tiles: a row sum per tile stays within a warp, the whole sum once at the end
+    far_left = tl.zeros([BLOCK_M], dtype=tl.float32)
+    far_right = tl.zeros([BLOCK_M], dtype=tl.float32)
     for sm in range(start_m, SQ, BLOCK_M):
         offs_m = sm + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
@@ -240,9 +241,9 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, FAR_SUMS,
             if BIAS_ROW:
                 off_diagonal = pid_n - sm // BLOCK_M  # key block - query block
                 if off_diagonal > BAND_RADIUS:
-                    far_right += tl.sum(tl.sum(ds, axis=1), axis=0)
+                    far_right += tl.sum(ds, axis=1)
                 elif off_diagonal < -BAND_RADIUS:
-                    far_left += tl.sum(tl.sum(ds, axis=1), axis=0)
+                    far_left += tl.sum(ds, axis=1)
                 else:
                     slot = (bh * tl.num_programs(0) + pid_n).to(tl.int64) * (2 * BAND_RADIUS + 1) + (
                         off_diagonal + BAND_RADIUS)
@@ -256,8 +257,8 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, FAR_SUMS,
     _store_rows(DKV + V_OFF, dv, b, h, offs_n, sdkb, sdks, SK, D)
     if BIAS_ROW:
         far = FAR_SUMS + (bh * tl.num_programs(0) + pid_n).to(tl.int64) * 2
-        tl.store(far, far_left)
-        tl.store(far + 1, far_right)
+        tl.store(far, tl.sum(far_left, axis=0))
+        tl.store(far + 1, tl.sum(far_right, axis=0))
 
 
 @triton.jit
