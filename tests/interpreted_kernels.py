@@ -1,9 +1,10 @@
 """The Triton kernels run by Triton's CPU interpreter, against torch's math: the attention kernels
 (with and without the bias, padding and causal masks, packed and separate sources, the one-block
 backward of short queries and the two-kernel backward of longer ones, the bias read in fp16 or fp32,
-the bias gradient's batch sums), the gated-GELU kernels, the residual add + RMS norm kernels, the
-decoding kernel, and a tiny T5 whose attention runs through the attention kernels (the model uses
-the GELU and the add + norm kernels on CUDA tensors only).
+the bias gradient's batch sums, the bias given as its relative row as at long inputs), the
+gated-GELU kernels, the residual add + RMS norm kernels, the decoding kernel, and a tiny T5 whose
+attention runs through the attention kernels (the model uses the GELU and the add + norm kernels on
+CUDA tensors only).
 
 Run by tests/test_kernels_interpreted.py in a subprocess, because TRITON_INTERPRET must be set
 before triton is imported:

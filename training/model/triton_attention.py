@@ -256,6 +256,8 @@ def _launch_bwd(
     ds, far_sums, radius = q_src.new_empty((0,)), q_src.new_empty((0,), dtype=torch.float32), 0
     if row:  # the band's dS tiles; tiles the kernel does not visit (off the scores, causal) read as 0
         t = DKDV_ROW_TILES[key]
+        if t.block_m != t.block_n:
+            raise ValueError(f"DKDV_ROW_TILES[{key!r}] = {t}: the row bias's dK/dV tiles must be square")
         blocks = triton.cdiv(SK, t.block_n)
         radius = bias_grad.band_radius(far, t.block_m, SQ, SK)
         ds = q_src.new_zeros((B, H, blocks, 2 * radius + 1, t.block_m, t.block_n))
