@@ -1,9 +1,10 @@
 """The Triton kernels run by Triton's CPU interpreter, against torch's math: the attention kernels
 (with and without the bias, padding and causal masks, packed and separate sources, the one-block
 backward of short queries and the two-kernel backward of longer ones, the bias read in fp16 or fp32,
-the bias gradient's batch sums), the gated-GELU kernels, the residual add + RMS norm kernels, the
-decoding kernel, and a tiny T5 whose attention runs through the attention kernels (the model uses
-the GELU and the add + norm kernels on CUDA tensors only).
+the bias gradient's batch sums, the bias given as its relative row as at long inputs), the
+gated-GELU kernels, the residual add + RMS norm kernels, the decoding kernel, and a tiny T5 whose
+attention runs through the attention kernels (the model uses the GELU and the add + norm kernels on
+CUDA tensors only).
 
 Run by tests/test_kernels_interpreted.py in a subprocess, because TRITON_INTERPRET must be set
 before triton is imported:
@@ -29,6 +30,7 @@ from training.model import triton_gated_gelu as tg
 from training.model.attention import (
     _math_attention,
     bias_saturation_distance,
+    dense_bias,
     relative_position_bucket,
 )
 
@@ -48,6 +50,7 @@ ta.DQDS_TILES.update({**dict.fromkeys(ta.TILE_CLASSES, ta.Tiles(16, 32, 4, 1)), 
 ta.ONE_BLOCK_TILES.update({
     "enc-short": ta.Tiles(24, 16, 4, 1), "dec-short": ta.Tiles(24, 16, 4, 1), "cross-short": ta.Tiles(24, 32, 4, 1),
 })  # fmt: skip
+ta.DKDV_ROW_TILES.update(dict.fromkeys(ta.TILE_CLASSES, ta.Tiles(16, 16, 4, 1)))
 ta.DELTA_BLOCK_M = 16
 bg.DS_SUM_BLOCK, bg.DS_SUM_BLOCK_B = 64, 2
 bg.DS_FAR_ROWS, bg.DS_FAR_COLS, bg.DS_FAR_BLOCK_B = 4, 8, 2
@@ -133,6 +136,18 @@ def check_attention() -> None:
                 _check(f"  dbias ({how})", dbias, br.grad, 3e-5)
 
 
+def _self_attention_inputs(b: int, sq: int, heads: int, d: int, padded: bool):
+    """q, k, v (b, sq, heads, d); the key mask (uint8, padding in the second row, or empty); the
+    packed [q | k | v] source, an empty kv source; and an output gradient (b, sq, heads * d)."""
+    q, k, v = (torch.randn(b, sq, heads, d) for _ in range(3))
+    key_mask = q.new_empty((0,), dtype=torch.uint8)
+    if padded:
+        key_mask = torch.ones(b, sq, dtype=torch.uint8)
+        key_mask[1, sq // 3 :] = 0
+    qkv, none = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1), q.new_empty((0,))
+    return q, k, v, key_mask, qkv, none, torch.randn(b, sq, heads * d)
+
+
 def check_far_bias_gradient() -> None:
     """The backward given `far` with a T5 bias (8 buckets up to distance 16, so that it saturates within
     these lengths): the source gradients are the very same as without it; without a causal mask the
@@ -145,13 +160,7 @@ def check_far_bias_gradient() -> None:
         table = torch.randn(8, heads)
         buckets = relative_position_bucket(torch.arange(sq)[None, :] - torch.arange(sq)[:, None], not causal, 8, 16)
         bias = table[buckets].permute(2, 0, 1).contiguous()
-        q, k, v = (torch.randn(b, sq, heads, d) for _ in range(3))
-        key_mask = q.new_empty((0,), dtype=torch.uint8)
-        if padded:
-            key_mask = torch.ones(b, sq, dtype=torch.uint8)
-            key_mask[1, sq // 3 :] = 0
-        qkv, none = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1), q.new_empty((0,))
-        dout = torch.randn(b, sq, heads * d)
+        q, k, v, key_mask, qkv, none, dout = _self_attention_inputs(b, sq, heads, d, padded)
         out, lse = ta._launch_fwd(qkv, none, bias, key_mask, causal, heads)
         whole = ta._launch_bwd(qkv, none, bias, key_mask, out, lse, dout, causal, heads)
         given_far = ta._launch_bwd(qkv, none, bias, key_mask, out, lse, dout, causal, heads, far)
@@ -179,6 +188,47 @@ def check_far_bias_gradient() -> None:
         ref.backward(dout.view_as(ref))
         got = torch.zeros_like(table).index_put_((buckets,), dbias.permute(1, 2, 0), accumulate=True)
         _check(f"{tag}: bucket table gradient against math", got, table_r.grad, 1e-5)
+
+
+def check_row_bias() -> None:
+    """The bias given as its (H, SQ + SK - 1) row (long inputs: `attention.row_bias_applies`): the
+    kernels read it along the tiles' diagonals, the backward recomputes dQ and keeps dS only in the
+    band of tiles within `far` of the diagonal (`triton_bias_grad.row_sum`). Against math attention
+    on the expanded row: out and the source gradients; the row's gradient exact per offset in the
+    band (everywhere when far is 0) and per far region, so the bucket table's gradient is exact.
+    T5's bias with 8 buckets up to distance 16; lengths of several 16-row tiles and a partial one."""
+    heads, d, b = 2, 16, 2
+    cases = [(45, False, True, True), (40, True, True, True), (37, True, False, True), (33, False, False, False)]
+    for sq, causal, padded, t5_bias in cases:
+        far = bias_saturation_distance(not causal, 8, 16) if t5_bias else 0
+        tile = ta.DKDV_ROW_TILES["enc"].block_m
+        assert not t5_bias or bg.band_radius(far, tile, sq, sq) < -(-sq // tile) - 1, "no tile beyond the band"
+        offsets = torch.arange(-(sq - 1), sq)
+        buckets = relative_position_bucket(offsets, not causal, 8, 16)
+        table = torch.randn(8, heads)
+        row = table[buckets].t().contiguous() if t5_bias else torch.randn(heads, 2 * sq - 1)
+        q, k, v, key_mask, qkv, none, dout = _self_attention_inputs(b, sq, heads, d, padded)
+        out, lse = ta._launch_fwd(qkv, none, row, key_mask, causal, heads)
+        dqkv, _, drow = ta._launch_bwd(qkv, none, row, key_mask, out, lse, dout, causal, heads, far)
+        table_r, row_r = table.clone().requires_grad_(), row.clone().requires_grad_()
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        rel = table_r[buckets].t() if t5_bias else row_r
+        ref = _math_attention(qr, kr, vr, dense_bias(rel, sq, sq), key_mask.bool() if padded else None, causal, 0.0)
+        ref.backward(dout.view_as(ref))
+        tag = f"row bias, far {far}, {sq}x{sq} causal={causal} padded={padded}"
+        _check(f"{tag} out", out, ref.detach().flatten(2), 3e-5)
+        _check(f"{tag} dq|dk|dv", dqkv, torch.cat([t.grad.flatten(2) for t in (qr, kr, vr)], -1), 3e-5)
+        assert drow.shape == row.shape and drow.dtype == torch.float32
+        if not t5_bias:
+            _check(f"{tag} row gradient per offset", drow, row_r.grad, 3e-5)
+            continue
+        in_band = offsets.abs() < far
+        rows = torch.zeros_like(table).index_put_((buckets,), drow.t(), accumulate=True)
+        rel_grad = torch.autograd.grad(  # math's gradient of the row itself
+            _math_attention(q, k, v, dense_bias(row_r, sq, sq), key_mask.bool() if padded else None, causal, 0.0),
+            row_r, dout.view_as(ref))[0]  # fmt: skip
+        _check(f"{tag} row gradient in the band", drow[:, in_band], rel_grad[:, in_band], 3e-5)
+        _check(f"{tag} bucket table gradient against math", rows, table_r.grad, 3e-5)
 
 
 def check_half_bias() -> None:
@@ -346,7 +396,9 @@ def check_model() -> None:
     cross-attention, the encoder's bias gradient from the rows' zero sums), loss and every
     parameter's gradient. 8 buckets up to distance 16: the bias saturates within these lengths, so
     the far batch sum has blocks to skip. Targets of 17 (the one-block backward in the decoder and
-    the cross-attention) and of 30 (the two-kernel backward)."""
+    the cross-attention) and of 30 (the two-kernel backward); at 30 also with the bias handed over
+    as its row (`T5Config.attention_bias_layout="row"`, the layout of long inputs), the bias
+    tables' gradients included."""
     config = T5Config.from_preset(
         "tiny",
         attention_backend="math",
@@ -356,10 +408,11 @@ def check_model() -> None:
     )
     model = T5ForConditionalGeneration(config)
 
-    def run(backend: str, ids, labels, attention_mask, decoder_mask):
+    def run(backend: str, ids, labels, attention_mask, decoder_mask, layout: str = "auto"):
         for m in model.modules():
             if hasattr(m, "backend"):
                 m.backend = backend
+        model.config.attention_backend, model.config.attention_bias_layout = backend, layout
         model.zero_grad()
         loss = model(ids, labels=labels, attention_mask=attention_mask, decoder_attention_mask=decoder_mask).loss
         loss.backward()
@@ -376,6 +429,13 @@ def check_model() -> None:
         _check(f"tiny T5 loss, triton attention, {target_length} targets", loss, ref_loss, 1e-5)
         worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
         _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)
+    loss, grads = run("triton", *batch, layout="row")
+    _check(f"tiny T5 loss, triton attention, bias as its row, {target_length} targets", loss, ref_loss, 1e-5)
+    for stack in ("encoder", "decoder"):
+        name = f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        _check(f"  {name}", grads[name], ref_grads[name], 1e-4)
+    worst = max(grads, key=lambda n: _relative_error(grads[n], ref_grads[n]))
+    _check(f"  worst parameter gradient: {worst}", grads[worst], ref_grads[worst], 1e-4)
 
 
 def check_generation() -> None:
@@ -410,6 +470,7 @@ def main() -> None:
     torch.manual_seed(0)
     check_attention()
     check_far_bias_gradient()
+    check_row_bias()
     check_half_bias()
     check_ds_batch_sum()
     check_gated_gelu()

@@ -43,8 +43,10 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     assert out.count("dQ from the stored dS)") == 20
     # the bias gradient given T5's far distance: the encoder's from the rows' zero sums, the decoder's whole
     assert out.count("with and without far: identical") == 3
-    assert out.count("bucket table gradient against math") == 2
     assert "causal, bias gradient as without far" in out
+    # the bias as its row (long inputs): T5's encoder and decoder bias, exact per region; a random row, per offset
+    assert out.count("bucket table gradient against math") == 5 and "row gradient per offset" in out
+    assert out.count("row gradient in the band") == 3 and out.count("row bias, far") == 4 * 2 + 3 * 2 + 1
     assert out.count("dS summed over the batch") == 4  # 2 shapes x 2 dtypes
     assert out.count("dS batch sum over far regions") == 12  # 2 shapes x 2 dtypes x 3 checks
     for read_in in ("fp16", "fp32"):  # the bias in either dtype: 3 shapes x 4 tensors
@@ -52,6 +54,8 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     # the whole tiny model: short targets (one-block backward) and longer ones (two kernels)
     for targets in (17, 30):
         assert f"tiny T5 loss, triton attention, {targets} targets" in out
+    assert "tiny T5 loss, triton attention, bias as its row, 30 targets" in out
+    assert out.count("SelfAttention.relative_attention_bias.weight max error") == 2
     # decoding: the self-attention kernel over fixed-size caches, and whole generate() calls
     for table in ("own slots", "history table"):
         assert f"decode attention, {table}, slot 36, bfloat16" in out
@@ -110,7 +114,8 @@ def test_tile_tables_cover_every_class_of_attention():
     the short classes (up to SHORT_QUERIES rows), the others' for all six. No triton needed."""
     from training.model import triton_attention as ta
 
-    assert set(ta.TILE_TABLES) == {"FWD", "DKDV", "DQ", "DQDS", "ONEBLOCK"}
+    assert set(ta.TILE_TABLES) == {"FWD", "DKDV", "DQ", "DQDS", "DKDV_ROW", "ONEBLOCK"}
+    assert all(tiles.block_m == tiles.block_n for tiles in ta.DKDV_ROW_TILES.values())  # square: see the table
     for kernel, table in ta.TILE_TABLES.items():
         expected = {c for c in ta.TILE_CLASSES if c.endswith("-short")} if kernel == "ONEBLOCK" else set(ta.TILE_CLASSES)
         assert set(table) == expected, kernel

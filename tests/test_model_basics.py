@@ -9,11 +9,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.model import T5Config, T5ForConditionalGeneration
 from training.model.attention import (
+    ROW_BIAS_FROM_SCORES,
     _math_attention,
     bias_saturation_distance,
     dense_bias,
     packed_attention,
     relative_position_bucket,
+    row_bias_applies,
 )
 from training.model.flops import model_flops_per_step
 from training.model.generation import beam_search_generate
@@ -139,6 +141,29 @@ def test_position_bias_is_the_bucketed_table_per_pair(is_decoder, q_len, k_len, 
     assert torch.equal(dense_bias(row, q_len, k_len)[0], (offsets + q_len - 1).float())
     with pytest.raises(ValueError, match="q_len \\+ k_len - 1"):
         dense_bias(row, q_len + 1, k_len)
+
+
+def test_long_inputs_hand_the_fused_attention_the_bias_as_its_row():
+    """T5Config.attention_bias_layout: "auto" hands the triton backend the relative row from
+    ROW_BIAS_FROM_SCORES query x key pairs on (T5 base's 512 x 512 and 114 x 114 stay dense),
+    "dense" never, "row" at any length; other backends (and decoding's tensor offsets) always get
+    the dense bias, and packed_attention expands a row for them."""
+    cpu, side = torch.device("cpu"), int(ROW_BIAS_FROM_SCORES**0.5)
+    assert not row_bias_applies("auto", "triton", cpu, 512, 512) and not row_bias_applies("auto", "triton", cpu, 114, 114)
+    assert row_bias_applies("auto", "triton", cpu, side, side) and not row_bias_applies("auto", "triton", cpu, side - 1, side)
+    assert not row_bias_applies("dense", "triton", cpu, 16384, 16384) and row_bias_applies("row", "triton", cpu, 9, 9)
+    assert not row_bias_applies("row", "math", cpu, 9, 9) and not row_bias_applies("row", "auto", cpu, 9, 9)  # auto: math on CPU
+    with pytest.raises(ValueError, match="attention_bias_layout must be one of"):
+        T5Config.from_preset("tiny", attention_bias_layout="relative")
+    stack = T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="math")).encoder
+    dense = stack.position_bias(9, 9, 0, cpu)
+    stack.config.attention_backend, stack.config.attention_bias_layout = "triton", "row"
+    row = stack.position_bias(9, 9, 0, cpu)
+    assert row.shape == (dense.shape[0], 17) and torch.equal(dense_bias(row, 9, 9), dense)
+    assert torch.equal(stack.position_bias(9, 9, torch.tensor(0), cpu), dense)  # decoding: dense
+    qkv = torch.randn(2, 9, 3 * dense.shape[0] * 8)
+    got = packed_attention(qkv, None, dense.shape[0], row, None, False, "math")
+    assert torch.equal(got, packed_attention(qkv, None, dense.shape[0], dense, None, False, "math"))
 
 
 @pytest.mark.parametrize("cross", [False, True])

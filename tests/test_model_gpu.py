@@ -185,11 +185,13 @@ def test_triton_matches_math_bf16(case):
 MODEL_LENGTHS = [(96, 40), (200, 150)]
 
 
+@pytest.mark.parametrize("layout", ["auto", "row"])
 @pytest.mark.parametrize("lengths", MODEL_LENGTHS, ids=str)
-def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(lengths, monkeypatch):
+def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(lengths, layout, monkeypatch):
     """The tiny model with the triton backend, eager and compiled with fullgraph=True, against the
     math backend with torch's GELU and norms (the Triton GELU and add + norm ops turned off for the
-    reference run): loss and every parameter's gradient."""
+    reference run): loss and every parameter's gradient. `layout` "row": the stacks hand the fused
+    attention its bias as the relative row (T5Config.attention_bias_layout, as at long inputs)."""
     inputs, targets = lengths
     torch.manual_seed(0)
     config = T5Config.from_preset("tiny", attention_backend="math", num_layers=3)
@@ -207,6 +209,7 @@ def test_model_triton_backend_matches_math_and_compiles_without_graph_breaks(len
         for m in model.modules():
             if hasattr(m, "backend"):
                 m.backend = backend
+        config.attention_backend, config.attention_bias_layout = backend, layout
         # the reference runs torch's GELU and norms too
         tg._OP, tn._OP = ops if backend == "triton" else (None, None)
         model.zero_grad()
@@ -415,3 +418,47 @@ def test_loop_assumptions_change_no_bit(case, tmp_path, monkeypatch):
     for got in results:
         for name, x, e in zip(("out", "dq", "dk", "dv", "dbias"), got, expected):
             assert torch.equal(x, e), f"{name}: max difference {float((x.float() - e.float()).abs().max()):.3e}"
+
+
+@pytest.mark.parametrize("s, causal", [(4096, False), (2304, True)], ids=["encoder-4096", "decoder-2304"])
+def test_row_bias_matches_the_dense_bias_at_long_inputs(s, causal):
+    """T5's bias handed to the fused attention as its (heads, 2 s - 1) row (`attention.
+    row_bias_applies`: the kernels read it along the diagonals, the backward stores no dS) and the
+    same bias expanded (the dense path), bf16, T5 base's heads, padding in one row, both against
+    float64 math attention: out, the source gradients and the bucket table's gradient within 2e-2
+    of the largest value and at most twice the dense path's error (+1e-3); the row path's results
+    bit-identical from run to run."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    b, h, d = 2, 12, 64
+    buckets = relative_position_bucket(torch.arange(-(s - 1), s, device="cuda"), not causal)
+    table = torch.randn(32, h, device="cuda", generator=g, dtype=torch.float64)
+    qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g, dtype=torch.float64)
+    key_mask = torch.ones(b, s, dtype=torch.bool, device="cuda")
+    key_mask[0, s - 700 :] = False
+    dout = torch.randn(b, s, h * d, device="cuda", generator=g, dtype=torch.float64)
+    far = bias_saturation_distance(not causal)
+
+    def math(x, bias):
+        q, k, v = (t.unflatten(-1, (h, d)) for t in x.split(h * d, -1))
+        return _math_attention(q, k, v, dense_bias(bias, s, s), key_mask, causal, 0.0).flatten(2)
+
+    def fused(expand: bool):
+        def attention(x, row):
+            bias = dense_bias(row, s, s) if expand else row
+            return packed_attention(x, None, h, bias, key_mask, causal, "triton", bias_far=far)
+
+        return attention
+
+    def run(attention, dtype):
+        x, tab = qkv.to(dtype).requires_grad_(), table.to(torch.promote_types(dtype, torch.float32)).requires_grad_()
+        out = attention(x, tab[buckets].t())
+        out.backward(dout.to(dtype))
+        return out.detach(), x.grad, tab.grad
+
+    expected = run(math, torch.float64)
+    dense, row, again = run(fused(True), torch.bfloat16), run(fused(False), torch.bfloat16), run(fused(False), torch.bfloat16)
+    assert all(torch.equal(x, y) for x, y in zip(row, again))
+    for name, got, base, ref in zip(("out", "dq|dk|dv", "bucket table gradient"), row, dense, expected):
+        errors = [float((t.double() - ref).abs().max() / ref.abs().max()) for t in (got, base)]
+        print(f"{s} causal={causal} {name}: largest error of the largest value, row {errors[0]:.1e}, dense {errors[1]:.1e}")
+        assert errors[0] < 2e-2 and errors[0] < 2 * errors[1] + 1e-3, (name, errors)

@@ -19,17 +19,17 @@ def test_variant_items_parse():
     from training.benchmark import main, parse_variant, variant_label
 
     v = parse_variant("sdpa,nocompile,nofusedce,bs=256,mode=max-autotune,opteager,bf16residual,clipbefore,"
-                      "deterministic,regional,quackffn,objective=ul2,vocab=250112,ckpt=block,hf", ARGS)  # fmt: skip
+                      "deterministic,regional,quackffn,objective=ul2,vocab=250112,bias=row,ckpt=block,hf", ARGS)  # fmt: skip
     assert parse_variant("hf", ARGS)["fused_ce"] is False
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
                      opt_compiled=False, residual_dtype="autocast", clip_in_step=False, deterministic=True,
-                     regional=True, quack_ffn=True, objective="ul2", vocab_size=250112, checkpointing="block",
-                     hf=True)  # fmt: skip
+                     regional=True, quack_ffn=True, objective="ul2", vocab_size=250112, bias_layout="row",
+                     checkpointing="block", hf=True)  # fmt: skip
     default = parse_variant("", ARGS)
     assert default == dict(attention="triton", compile=True, fused_ce=True, batch_size=128, mode="",
                            opt_compiled=True, residual_dtype="float32", clip_in_step=True, deterministic=False,
                            regional=False, quack_ffn=False, objective="span_corruption", vocab_size=32128,
-                           checkpointing="none", hf=False)  # fmt: skip
+                           bias_layout="auto", checkpointing="none", hf=False)  # fmt: skip
     assert parse_variant("math", ARGS)["attention"] == "math"
     for pair, field, value in (("nocompile,compile", "compile", True), ("nofusedce,fusedce", "fused_ce", True),
                                ("opteager,optcompiled", "opt_compiled", True),
@@ -40,7 +40,8 @@ def test_variant_items_parse():
         assert parse_variant(pair, ARGS)[field] == value, pair
     labels = {item: variant_label(parse_variant(item, ARGS)) for item in
               ("", "opteager", "bf16residual", "clipbefore", "deterministic", "regional", "quackffn",
-               "objective=ul2", "vocab=250112", "ckpt=block", "ckpt=selective", "hf")}  # fmt: skip
+               "objective=ul2", "vocab=250112", "bias=dense", "bias=row", "ckpt=block", "ckpt=selective",
+               "hf")}  # fmt: skip
     assert len(set(labels.values())) == len(labels), labels
     for item in ("fast", "cudnn", "flex", "nobias", "dbiaskernel", "fartiles", "nopdl", "torchgelu"):
         with pytest.raises(SystemExit, match=item):

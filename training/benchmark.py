@@ -25,13 +25,13 @@ regional|wholemodel (torch.compile each T5 block, the final norms and the loss o
 ZeRO 3's `model.zero3_compile=blocks` does, or the whole step as one graph as training does at ZeRO
 0-2), objective=ul2|prefix_lm (one batch of that objective, training/data/objectives.py, from random
 raw tokens at --input-length: its padded targets and attention mask; tokens/s and FLOPs count the real
-lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's), ckpt=none|block|selective
-(T5Config.activation_checkpointing), hf (transformers' T5ForConditionalGeneration of the same config in
-place of ours: the model nanoT5 trains; its own attention and loss, gradient checkpointing for
-ckpt=block). Each variant prints one
-table row, ending with the loss of the last step and the sum of every parameter after it (two runs
-of the same variant are bit-identical when both are `deterministic`); --json appends one JSON
-object per variant to a file.
+lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's), bias=auto|dense|row
+(T5Config.attention_bias_layout), ckpt=none|block|selective (T5Config.activation_checkpointing), hf
+(transformers' T5ForConditionalGeneration of the same config in place of ours: the model nanoT5
+trains; its own attention and loss, gradient checkpointing for any ckpt= but none). Each variant
+prints one table row, ending with the loss of the last step and the sum of every parameter after it
+(two runs of the same variant are bit-identical when both are `deterministic`); --json appends one
+JSON object per variant to a file.
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ _SWITCHES = {
     "quackffn": ("quack_ffn", True), "cublasffn": ("quack_ffn", False),
     "deterministic": ("deterministic", True),
     "regional": ("regional", True), "wholemodel": ("regional", False),
+    "hf": ("hf", True),
 }  # fmt: skip
+_SETTINGS = {"bs": ("batch_size", int), "mode": ("mode", str), "objective": ("objective", str),  # name=value
+             "vocab": ("vocab_size", int), "bias": ("bias_layout", str), "ckpt": ("checkpointing", str)}  # fmt: skip
 
 
 def parse_variant(spec: str, args: argparse.Namespace) -> dict:
@@ -90,26 +93,18 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
         mode=args.compile_mode, opt_compiled=args.optimizer_compiled, residual_dtype=args.residual_dtype,
         clip_in_step=True, deterministic=False, regional=False, quack_ffn=False, objective="span_corruption",
-        vocab_size=T5Config.vocab_size, checkpointing="none", hf=False,
+        vocab_size=T5Config.vocab_size, bias_layout=T5Config.attention_bias_layout, checkpointing="none", hf=False,
     )  # fmt: skip
     for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, value = item.partition("=")
         if item in ATTENTION_BACKENDS:
             variant["attention"] = item
         elif item in _SWITCHES:
             field, value = _SWITCHES[item]
             variant[field] = value
-        elif item.startswith("bs="):
-            variant["batch_size"] = int(item[3:])
-        elif item.startswith("mode="):
-            variant["mode"] = item[5:]
-        elif item.startswith("objective="):
-            variant["objective"] = item[10:]
-        elif item.startswith("vocab="):
-            variant["vocab_size"] = int(item[6:])
-        elif item.startswith("ckpt="):
-            variant["checkpointing"] = item[5:]
-        elif item == "hf":
-            variant["hf"] = True
+        elif value and name in _SETTINGS:
+            field, kind = _SETTINGS[name]
+            variant[field] = kind(value)
         else:
             raise SystemExit(f"unknown variant item {item!r} in {spec!r}")
     variant["fused_ce"] = variant["fused_ce"] and not variant["hf"]  # transformers' T5 has its own loss
@@ -127,6 +122,7 @@ def variant_label(v: dict) -> str:
     notes += ["QuACK FFN"] if v["quack_ffn"] else []
     notes += [v["objective"]] if v["objective"] != "span_corruption" else []
     notes += [f"vocab {v['vocab_size']}"] if v["vocab_size"] != T5Config.vocab_size else []
+    notes += [f"{v['bias_layout']} bias"] if v["bias_layout"] != T5Config.attention_bias_layout else []
     notes += [f"checkpointing {v['checkpointing']}"] if v["checkpointing"] != "none" else []
     return ", ".join(["transformers T5" if v["hf"] else v["attention"], *notes])
 
@@ -150,7 +146,7 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
         quack_ffn.load()  # raises where QuACK cannot run, rather than time the default FFN under its name
     config = T5Config.from_preset(args.preset, attention_backend=variant["attention"], residual_dtype=variant[
         "residual_dtype"], ffn_kernel="quack" if variant["quack_ffn"] else "default", vocab_size=variant["vocab_size"],
-        activation_checkpointing=variant["checkpointing"])
+        attention_bias_layout=variant["bias_layout"], activation_checkpointing=variant["checkpointing"])
     torch.manual_seed(0)
     model = hf_model(config) if variant["hf"] else T5ForConditionalGeneration(config)
     model = model.to(device)

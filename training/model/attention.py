@@ -12,7 +12,11 @@ T5's bias depends only on key - query: the model looks up one relative row per h
 k_len) bias every backend here reads. (Reading the dense tile is faster in the fused kernel than
 gathering from the relative row, and so is a dense gradient per layer, summed by autograd, than
 the relative row's gradient summed along dS's diagonals in the kernel: 1.63 against 1.75 ms for an
-encoder layer's backward on an H100.)
+encoder layer's backward on an H100.) At long inputs the dense bias and the backward's dS
+(batch, heads, q_len, k_len) grow as the square of the length: from ROW_BIAS_FROM_SCORES query x
+key pairs on (`row_bias_applies`), the stack hands the fused kernel the row itself, which it reads
+along the tiles' diagonals, and its backward keeps dS only in a band around the diagonal
+(`triton_attention._launch_bwd`); other backends get it expanded.
 
 Backends (`T5Config.attention_backend`):
 - "triton": our fused flash-attention kernel with the shared bias and its gradient
@@ -98,6 +102,19 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "math"
 
 
+# From how many query x key pairs on "auto" hands the fused attention the bias as its row: 2048 x
+# 2048, where T5 base's dense bias takes 200 MB (+100 MB in fp16) and each layer's dS 100 MB a sequence.
+ROW_BIAS_FROM_SCORES = 2048 * 2048
+
+
+def row_bias_applies(layout: str, backend: str, device: torch.device, q_len: int, k_len: int) -> bool:
+    """Whether a stack hands its self-attentions the relative bias as its (heads, q_len + k_len - 1)
+    row instead of expanded (`T5Config.attention_bias_layout`): only the fused kernel reads rows."""
+    if layout == "dense" or resolve_backend(backend, device) != "triton":
+        return False
+    return layout == "row" or q_len * k_len >= ROW_BIAS_FROM_SCORES
+
+
 def dense_bias(bias: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
     """(heads, q_len, k_len) bias from a relative one, (heads, q_len + k_len - 1): one gather."""
     if bias.shape[-1] != q_len + k_len - 1:
@@ -165,8 +182,9 @@ def packed_attention(
     Self-attention: q_src (b, s, 3 * heads * d) = [q | k | v], kv_src None. Cross-attention: q_src
     (b, sq, heads * d), kv_src (b, sk, 2 * heads * d) = [k | v]. The fused kernel reads the sources
     with strides and its backward writes each source's gradient as one tensor; other backends get
-    q/k/v views. bias_far: `bias_saturation_distance` of a T5 bias (0 for any other bias), which the
-    fused kernel's bias gradient uses to read less of dS.
+    q/k/v views. bias (heads, sq, sk), or a relative one as its (heads, sq + sk - 1) row, which
+    backends other than the fused kernel get expanded. bias_far: `bias_saturation_distance` of a T5
+    bias (0 for any other bias), which the fused kernel's bias gradient uses to read less of dS.
     """
     b, sq, width = q_src.shape
     if kv_src is None:
@@ -178,6 +196,8 @@ def packed_attention(
     if chosen == "triton":
         kv = None if kv_src is q_src else kv_src
         return triton_attention.t5_flash_attention_packed(q_src, kv, heads, bias, key_mask, causal, bias_far)
+    if bias is not None and bias.dim() == 2:
+        bias = dense_bias(bias, sq, sk)
     q = q_src[..., :hd].unflatten(-1, (heads, hd // heads))
     k = kv_src[..., k_at : k_at + hd].unflatten(-1, (heads, hd // heads))
     v = kv_src[..., k_at + hd : k_at + 2 * hd].unflatten(-1, (heads, hd // heads))

@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "math", "sdpa", "triton")
 FEED_FORWARD_PROJ = ("gated-gelu", "relu")
 RESIDUAL_DTYPES = ("float32", "autocast")
 FFN_KERNELS = ("default", "quack")
+ATTENTION_BIAS_LAYOUTS = ("auto", "dense", "row")  # training/model/attention.py: row_bias_applies
 ACTIVATION_CHECKPOINTING = ("none", "block", "selective")  # training/model/activation_checkpointing.py
 
 # T5 v1.1 dimensions (google/t5-v1_1-*): d_model, d_ff, layers (encoder = decoder), heads; d_kv = 64.
@@ -87,6 +88,12 @@ class T5Config:
     # inputs, recompute its forward in the backward) or "selective" (keep the GEMM and attention
     # outputs, recompute the element-wise ops). See training/model/activation_checkpointing.py.
     activation_checkpointing: str = "none"
+    # How a stack hands the fused attention its relative bias: "dense" (expanded to (heads, q, k)
+    # once per stack; the kernels read its tiles and the backward stores dS for the bias gradient),
+    # "row" (the (heads, q + k - 1) row, read along the tiles' diagonals; the backward stores no dS,
+    # memory O(length) instead of O(length^2)) or "auto" (row from
+    # attention.ROW_BIAS_FROM_SCORES query x key pairs on). Only the triton backend reads the row.
+    attention_bias_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_decoder_layers is None:
@@ -143,6 +150,11 @@ class T5Config:
                 f"T5Config.activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING}, "
                 f"got {self.activation_checkpointing!r}"
             )
+        if self.attention_bias_layout not in ATTENTION_BIAS_LAYOUTS:
+            raise ValueError(
+                f"T5Config.attention_bias_layout must be one of {ATTENTION_BIAS_LAYOUTS}, "
+                f"got {self.attention_bias_layout!r}"
+            )
         if self.initializer_factor <= 0:
             raise ValueError(f"T5Config.initializer_factor must be > 0, got {self.initializer_factor}")
         for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
@@ -179,6 +191,7 @@ class T5Config:
         fields.pop("attention_backend", None)
         fields.pop("ffn_kernel", None)
         fields.pop("activation_checkpointing", None)
+        fields.pop("attention_bias_layout", None)
         tie = hf.get("tie_word_embeddings", True)
         fields["tie_word_embeddings"] = bool(tie)
         # HF scales decoder outputs exactly when the embeddings are tied (see transformers T5 code).

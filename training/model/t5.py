@@ -29,6 +29,7 @@ from training.model.attention import (
     packed_attention,
     relative_position_bucket,
     resolve_backend,
+    row_bias_applies,
 )
 from training.model.config import T5Config
 from training.model.cross_entropy import fused_linear_cross_entropy
@@ -354,7 +355,8 @@ class T5Stack(nn.Module):
         self, q_len: int, k_len: int, q_offset: int | torch.Tensor, device: torch.device
     ) -> torch.Tensor:
         """The learned bias (heads, q_len, k_len) fp32, shared by every block of the stack: looked up
-        once per key - query offset (a (heads, q_len + k_len - 1) row) and expanded by `dense_bias`.
+        once per key - query offset (a (heads, q_len + k_len - 1) row) and expanded by `dense_bias`,
+        or that row itself where `attention.row_bias_applies` (long inputs on the fused kernel).
         Queries sit at positions q_offset .. q_offset + q_len - 1 (an int, or a 0-dim device tensor
         when decoding into a fixed-size cache), keys at 0 .. k_len - 1."""
         offsets = torch.arange(-(q_len - 1), k_len, device=device) - q_offset  # key position - query position
@@ -365,6 +367,11 @@ class T5Stack(nn.Module):
             max_distance=self.config.relative_attention_max_distance,
         )
         rel = self.bias_table(buckets).t().float()
+        c = self.config
+        if isinstance(q_offset, int) and row_bias_applies(
+            c.attention_bias_layout, c.attention_backend, device, q_len, k_len
+        ):
+            return rel
         return dense_bias(rel, q_len, k_len)
 
     def forward(

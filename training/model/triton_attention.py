@@ -31,6 +31,12 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
   than the recomputation saves (a layer without a bias: 2.05 ms recomputed, 2.25 from dS).
 - The bias gradient is the stored dS summed over the batch by `triton_bias_grad.batch_sum`, in one
   fixed order (bit-identical from run to run); in the encoder, given `far`, it reads about half of dS.
+- A relative bias given as its (H, SQ + SK - 1) row (long inputs, `attention.row_bias_applies`):
+  the kernels read it along each tile's diagonals, and the backward stores no dS: dQ recomputed
+  (`_bwd_dq_kernel`), and the dK/dV kernel, in square tiles (DKDV_ROW_TILES), keeps only the band
+  of dS tiles within `far` of the diagonal and sums the others per head and side; the row's
+  gradient comes from those (`triton_bias_grad.row_sum`), in fixed orders. The short-query
+  one-block backward is not used with a row.
 
 Wrapped with `torch.library.triton_op` so torch.compile traces it without graph breaks; the ops
 take `launch_settings()`, a digest of the tile tables and of the source, so that compile caches
@@ -100,6 +106,9 @@ DKDV_TILES = {
 }
 DQ_TILES = dict.fromkeys(TILE_CLASSES, Tiles(64, 64, 4, 3))
 DQDS_TILES = {**dict.fromkeys(TILE_CLASSES, Tiles(64, 64, 4, 3)), "enc": Tiles(128, 128, 4, 3)}
+# dK/dV kernel of a bias given as its row (`_launch_bwd`): square tiles, so that each tile's offset
+# from the diagonal is whole blocks and the band's tiles line up per diagonal (BLOCK_M == BLOCK_N).
+DKDV_ROW_TILES = dict.fromkeys(TILE_CLASSES, Tiles(64, 64, 4, 3))
 # The one-block backward of the short classes: BLOCK_M is the most query rows it takes (the kernel
 # runs with the power of two that holds them, 16 at least), BLOCK_N keys per step. fp32 operands (no
 # autocast) take twice the shared memory: at most 64 keys and 2 stages there.
@@ -114,6 +123,7 @@ TILE_TABLES = {
     "DKDV": DKDV_TILES,
     "DQ": DQ_TILES,
     "DQDS": DQDS_TILES,
+    "DKDV_ROW": DKDV_ROW_TILES,
     "ONEBLOCK": ONE_BLOCK_TILES,
 }
 DELTA_BLOCK_M = 64  # query rows per program of rowsum(dO * O)
@@ -133,6 +143,11 @@ if _HAS_TRITON:
 
 def _flags(q_src: torch.Tensor, bias: torch.Tensor, key_mask: torch.Tensor) -> dict:
     return dict(HAS_BIAS=bias.numel() > 0, HAS_MASK=key_mask.numel() > 0, IEEE=q_src.dtype == torch.float32)
+
+
+def _bias_row(bias: torch.Tensor) -> bool:
+    """Whether the bias is a relative one held as its (H, SQ + SK - 1) row, not (H, SQ, SK)."""
+    return bias.dim() == 2 and bias.numel() > 0
 
 
 _LOG2E = 1.4426950408889634
@@ -195,6 +210,7 @@ def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, *, wrap
         q_src, kv, _kernel_bias(bias, q_src.dtype), key_mask, out, lse, *q_src.stride()[:2], *kv.stride()[:2],
         *out.stride()[:2], k_off, v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
+        BIAS_ROW=_bias_row(bias),
     )  # fmt: skip
     return out, lse
 
@@ -214,10 +230,12 @@ def _launch_bwd(
     wrap=lambda kernel: kernel,
 ):
     """Gradients of the sources (each one buffer, laid out like its source; an empty kv_src gets an
-    empty gradient) and of the bias (H, SQ, SK) fp32. far > 0 promises that the bias is one value per
-    head wherever key - query >= far and wherever query - key >= far (T5's: `attention.
+    empty gradient) and of the bias, fp32 and shaped like it. far > 0 promises that the bias is one
+    value per head wherever key - query >= far and wherever query - key >= far (T5's: `attention.
     bias_saturation_distance`); without a causal mask the bias gradient's batch sum then reads about
-    half of dS (`triton_bias_grad.batch_sum`)."""
+    half of dS (`triton_bias_grad.batch_sum`). A bias given as its (H, SQ + SK - 1) row takes the
+    backward that stores no dS: dQ recomputed, dS kept only in the band of tiles within `far` of the
+    diagonal (all of it for far 0) and summed per head beyond it (`triton_bias_grad.row_sum`)."""
     kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
     _check_lengths(SQ, SK, causal)
@@ -230,12 +248,21 @@ def _launch_bwd(
     dkv = dq_src if kv_src.numel() == 0 else dkv_src  # self-attention: dq, dk, dv all in dq_src
     strides = (*q_src.stride()[:2], *kv.stride()[:2], *dout.stride()[:2])
     key = tile_class(causal, has_bias, SQ)
-    one_block = one_block_applies(key, SQ)
-    # dS (B, H, SQ, SK) in the input dtype where there is a bias, for its gradient (and, in the
+    row = _bias_row(bias)
+    one_block = one_block_applies(key, SQ) and not row
+    # dS (B, H, SQ, SK) in the input dtype where there is a dense bias, for its gradient (and, in the
     # two-kernel backward, for dQ). Causal: the two kernels never visit tiles above the diagonal, so
     # those must read as 0.
-    ds = q_src.new_empty((0,))
-    if has_bias:
+    ds, far_sums, radius = q_src.new_empty((0,)), q_src.new_empty((0,), dtype=torch.float32), 0
+    if row:  # the band's dS tiles; tiles the kernel does not visit (off the scores, causal) read as 0
+        t = DKDV_ROW_TILES[key]
+        if t.block_m != t.block_n:
+            raise ValueError(f"DKDV_ROW_TILES[{key!r}] = {t}: the row bias's dK/dV tiles must be square")
+        blocks = triton.cdiv(SK, t.block_n)
+        radius = bias_grad.band_radius(far, t.block_m, SQ, SK)
+        ds = q_src.new_zeros((B, H, blocks, 2 * radius + 1, t.block_m, t.block_n))
+        far_sums = torch.empty((B, H, blocks, 2), dtype=torch.float32, device=q_src.device)
+    elif has_bias:
         alloc = torch.zeros if causal and not one_block else torch.empty
         ds = alloc((B, H, SQ, SK), dtype=q_src.dtype, device=q_src.device)
     if one_block:  # (computes rowsum(dO * O) itself)
@@ -255,20 +282,20 @@ def _launch_bwd(
             dout, out, delta, *dout.stride()[:2], *out.stride()[:2], H, SQ, D=D, BLOCK_M=DELTA_BLOCK_M,
             EVEN_M=SQ % DELTA_BLOCK_M == 0, num_warps=4,
         )  # fmt: skip
-        if not has_bias:
+        if not has_bias or row:
             t = DQ_TILES[key]
             wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, t.block_m), B * H)](
-                q_src, kv, key_mask, dout, lse, delta, dq_src, *strides, *dq_src.stride()[:2], k_off, v_off,
-                H, SQ, SK, SK - SQ, B * H * SQ, HAS_MASK=flags["HAS_MASK"], CAUSAL=causal, IEEE=flags["IEEE"], D=D,
-                BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
+                q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, *strides, *dq_src.stride()[:2], k_off,
+                v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D, BLOCK_M=t.block_m,
+                BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t), BIAS_ROW=row,
             )  # fmt: skip
-        t = DKDV_TILES[key]
+        t = DKDV_ROW_TILES[key] if row else DKDV_TILES[key]
         wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, t.block_n), B * H)](
-            q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, *strides, *dkv.stride()[:2], k_off, v_off,
-            H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
+            q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, far_sums, *strides, *dkv.stride()[:2], k_off,
+            v_off, H, SQ, SK, SK - SQ, B * H * SQ, radius, **flags, CAUSAL=causal, D=D, BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t), BIAS_ROW=row,
         )  # fmt: skip
-        if has_bias:
+        if has_bias and not row:
             t = DQDS_TILES[key]
             wrap(_bwd_dq_from_ds_kernel)[(triton.cdiv(SQ, t.block_m), B * H)](
                 ds, kv, dq_src, *kv.stride()[:2], *dq_src.stride()[:2], k_off, H, SQ, SK, SK - SQ,
@@ -277,6 +304,8 @@ def _launch_bwd(
             )  # fmt: skip
     if not has_bias:
         return dq_src, dkv_src, torch.zeros_like(bias)
+    if row:
+        return dq_src, dkv_src, bias_grad.row_sum(ds, far_sums, SQ, SK, radius)
     return dq_src, dkv_src, bias_grad.batch_sum(ds, wrap, 0 if causal else far)
 
 
@@ -429,16 +458,22 @@ def t5_flash_attention_packed(
 
     Self-attention: q_src (B, S, 3 H D) = [q | k | v], kv_src None. Cross-attention: q_src
     (B, SQ, H D), kv_src (B, SK, 2 H D) = [k | v]. The bias is (H, SQ, SK) fp32, shared by the
-    batch. The backward returns each source's gradient as one tensor (the kernels write dq, dk, dv
-    into it; autograd has no concatenation to do). bias_far > 0 promises that the bias is constant
-    per head wherever key - query >= bias_far and wherever query - key >= bias_far
-    (`attention.bias_saturation_distance`); the bias gradient's batch sum of an attention without a
-    causal mask then reads about half of dS. 0: no promise.
+    batch, or a relative one as its (H, SQ + SK - 1) row, bias[h, q, k] = row[h, k - q + SQ - 1]
+    (long inputs: no (H, SQ, SK) tensor in the forward or the backward). The backward returns each
+    source's gradient as one tensor (the kernels write dq, dk, dv into it; autograd has no
+    concatenation to do). bias_far > 0 promises that the bias is constant per head wherever key -
+    query >= bias_far and wherever query - key >= bias_far (`attention.bias_saturation_distance`);
+    the bias gradient's batch sum of an attention without a causal mask then reads about half of
+    dS, and a row's backward keeps dS only within bias_far of the diagonal. 0: no promise.
     """
     _check_supported(q_src.shape[-1] // (3 if kv_src is None else 1) // heads)
     q_src = _kernel_ready(q_src)
     kv_src = q_src.new_empty((0,)) if kv_src is None else _kernel_ready(kv_src).to(q_src.dtype)
     bias = q_src.new_empty((0,), dtype=torch.float32) if bias is None else bias.float().contiguous()
+    sq, sk = q_src.shape[1], (q_src if kv_src.numel() == 0 else kv_src).shape[1]
+    if bias.dim() == 2 and bias.shape[-1] != sq + sk - 1:
+        raise ValueError(f"a relative bias row of {bias.shape[-1]} offsets for {sq} queries x {sk} keys: "
+                         f"it needs queries + keys - 1 = {sq + sk - 1}")  # fmt: skip
     key_mask = (
         q_src.new_empty((0,), dtype=torch.uint8)
         if key_mask is None

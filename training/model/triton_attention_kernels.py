@@ -31,13 +31,19 @@ def _inside(offs_m, offs_n, SQ, SK):
 
 
 @triton.jit
-def _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+def _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+               BIAS_ROW: tl.constexpr):
     """(BM, BN) fp32 tile of the (H, SQ, SK) bias (fp32 or fp16 in memory), already in base-2 units
     (the host multiplies it by log2(e)), for queries offs_m and keys offs_n; zeros without a bias.
-    The bias is shared by the batch: the tile comes from L2. EVEN: the tile lies wholly inside the
-    bias (SQ and SK are whole tiles), so the load takes no bounds mask."""
+    BIAS_ROW: the bias is a relative one held as its (H, SQ + SK - 1) row, bias[h, q, k] =
+    row[h, k - q + SQ - 1], read along the tile's diagonals. The bias is shared by the batch: the
+    tile comes from L2. EVEN: the tile lies wholly inside the bias (SQ and SK are whole tiles), so
+    the load takes no bounds mask."""
     if HAS_BIAS:
-        ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
+        if BIAS_ROW:
+            ptrs = BIAS + h * (SQ + SK - 1) + (SQ - 1) + offs_n[None, :] - offs_m[:, None]
+        else:
+            ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
         return _load_tile(ptrs, _inside(offs_m, offs_n, SQ, SK), EVEN).to(tl.float32)
     else:
         return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
@@ -129,7 +135,7 @@ def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OF
                 H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BIAS_ROW: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -144,7 +150,7 @@ def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OF
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N, BIAS_ROW)
         s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
                     EVEN_N, IEEE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -191,16 +197,20 @@ def _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, del
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
+def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, FAR_SUMS,
                      sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
-                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
+                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, BAND_RADIUS,
                      HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                      IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+                     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BIAS_ROW: tl.constexpr):
     """dK, dV of one key block of one (batch, head): walks all query blocks. Both land in DKV, laid
     out like KV (k at K_OFF, v at V_OFF): a packed source gets its gradient as one buffer.
     HAS_BIAS: also stores dS (B, H, SQ, SK) in the input dtype, for dQ = dS K
-    (`_bwd_dq_from_ds_kernel`) and the bias gradient."""
+    (`_bwd_dq_from_ds_kernel`) and the bias gradient. HAS_BIAS and BIAS_ROW (a relative bias held
+    as its row, one value per head beyond the band; BLOCK_M == BLOCK_N): stores only the dS tiles
+    of the band, those at most BAND_RADIUS blocks off the diagonal, into DS (B, H, key blocks,
+    2 * BAND_RADIUS + 1, BLOCK_M, BLOCK_N), and sums the tiles left and right of the band into
+    FAR_SUMS (B, H, key blocks, 2) fp32 (`triton_bias_grad.row_sum` takes it from there)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -217,30 +227,50 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS,
         # Not for thinner query blocks: with it, Triton 3.6's code for them races on an H200 (dK
         # wrong and different from run to run without a bias); serialized, it is right.
         tl.assume(SQ > start_m)
+    # Per query row of the tiles: a row sum per tile stays within a warp, the whole sum once at the end
+    far_left = tl.zeros([BLOCK_M], dtype=tl.float32)
+    far_right = tl.zeros([BLOCK_M], dtype=tl.float32)
     for sm in range(start_m, SQ, BLOCK_M):
         offs_m = sm + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
         do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N, BIAS_ROW)
         p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if HAS_BIAS:
-            _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
+            if BIAS_ROW:
+                off_diagonal = pid_n - sm // BLOCK_M  # key block - query block
+                if off_diagonal > BAND_RADIUS:
+                    far_right += tl.sum(ds, axis=1)
+                elif off_diagonal < -BAND_RADIUS:
+                    far_left += tl.sum(ds, axis=1)
+                else:
+                    slot = (bh * tl.num_programs(0) + pid_n).to(tl.int64) * (2 * BAND_RADIUS + 1) + (
+                        off_diagonal + BAND_RADIUS)
+                    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                    tl.store(DS + slot * (BLOCK_M * BLOCK_N) + tile, ds.to(DS.dtype.element_ty))
+            else:
+                _store_ds_tile(DS, ds, bh, offs_m, offs_n, SQ, SK, EVEN_M and EVEN_N)
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE)
     _store_rows(DKV + K_OFF, dk, b, h, offs_n, sdkb, sdks, SK, D)
     _store_rows(DKV + V_OFF, dv, b, h, offs_n, sdkb, sdks, SK, D)
+    if BIAS_ROW:
+        far = FAR_SUMS + (bh * tl.num_programs(0) + pid_n).to(tl.int64) * 2
+        tl.store(far, tl.sum(far_left, axis=0))
+        tl.store(far + 1, tl.sum(far_right, axis=0))
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, KV, KMASK, DO, LSE, DELTA, DQ,
+def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ,
                    sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
                    H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
-                   HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    """dQ of one query block of one (batch, head) of an attention without a bias: walks all key
-    blocks, recomputing P and dP = dO V^T per tile (with a bias, dQ comes from the stored dS:
-    `_bwd_dq_from_ds_kernel`)."""
+                   HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
+                   EVEN_N: tl.constexpr, BIAS_ROW: tl.constexpr):
+    """dQ of one query block of one (batch, head): walks all key blocks, recomputing P and dP = dO
+    V^T per tile. For an attention without a bias, or with one read from its row (BIAS_ROW), whose
+    dS is not stored; with a dense bias dQ comes from the stored dS (`_bwd_dq_from_ds_kernel`)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -255,8 +285,9 @@ def _bwd_dq_kernel(Q, KV, KMASK, DO, LSE, DELTA, DQ,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        p, ds = _probs_and_dscores(q, kt, vt, do, 0.0, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
-                                   CAUSAL_OFFSET, LSE_STRIDE, False, HAS_MASK, CAUSAL, EVEN_N, IEEE)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N, BIAS_ROW)
+        p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
+                                   CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
     _store_rows(DQ, dq, b, h, offs_m, sdqb, sdqs, SQ, D)
 
@@ -295,7 +326,7 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N, False)
         p, ds = _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, delta, b, offs_m, offs_n,
                                            SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if HAS_BIAS:
