@@ -317,17 +317,28 @@ def test_every_field_is_documented():
 
 
 def test_choices_match_the_model_package():
-    from training.model.config import ATTENTION_BACKENDS, FFN_KERNELS, RESIDUAL_DTYPES, T5Config
+    from training.model.config import (
+        ACTIVATION_CHECKPOINTING,
+        ATTENTION_BACKENDS,
+        ATTENTION_BIAS_LAYOUTS,
+        FFN_KERNELS,
+        RESIDUAL_DTYPES,
+        T5Config,
+    )
     from training.zero3_compile import ZERO3_COMPILE_MODES
 
     assert set(config_module.ATTENTION_BACKENDS) == set(ATTENTION_BACKENDS)
     assert config_module.RESIDUAL_DTYPES == RESIDUAL_DTYPES
     assert config_module.FFN_KERNELS == FFN_KERNELS
+    assert config_module.ACTIVATION_CHECKPOINTING == ACTIVATION_CHECKPOINTING
+    assert config_module.ATTENTION_BIAS_LAYOUTS == ATTENTION_BIAS_LAYOUTS
     assert config_module.ZERO3_COMPILE_MODES == ZERO3_COMPILE_MODES
     for preset in config_module.MODEL_PRESETS:
         T5Config.from_preset(preset)  # every preset the run config accepts exists
     with pytest.raises(ConfigError, match="sdpa"):
         load_run_config(None, ["model.attention_backend=fast"])
+    with pytest.raises(ConfigError, match="model.attention_bias_layout"):
+        load_run_config(None, ["model.attention_bias_layout=relative"])
 
 
 def test_shipped_configs_and_tokenizer_are_found_from_any_directory(tmp_path, monkeypatch):

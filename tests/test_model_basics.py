@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from training.model import T5Config, T5ForConditionalGeneration
+from training.model import T5Config, T5ForConditionalGeneration, triton_attention
 from training.model.attention import (
     ROW_BIAS_FROM_SCORES,
     _math_attention,
@@ -164,6 +164,15 @@ def test_long_inputs_hand_the_fused_attention_the_bias_as_its_row():
     qkv = torch.randn(2, 9, 3 * dense.shape[0] * 8)
     got = packed_attention(qkv, None, dense.shape[0], row, None, False, "math")
     assert torch.equal(got, packed_attention(qkv, None, dense.shape[0], dense, None, False, "math"))
+    from training.config import ModelConfig
+    from training.run_setup import build_model
+
+    built = build_model(ModelConfig(preset="tiny", attention_bias_layout="row"), cpu)[0]  # the run config's
+    assert built.config.attention_bias_layout == "row"
+    # a dense bias past int32 offsets (T5 base at 16,384 x 16,384) is refused before any kernel runs
+    huge = torch.zeros(1).expand(12, 16384, 16384)
+    with pytest.raises(ValueError, match="past the fused kernel's 32-bit offsets: hand it the bias as its row"):
+        triton_attention.t5_flash_attention_packed(torch.randn(1, 4, 3 * 12 * 64), None, 12, huge, None, False)
 
 
 @pytest.mark.parametrize("cross", [False, True])

@@ -450,7 +450,9 @@ def test_row_bias_matches_the_dense_bias_at_long_inputs(s, causal):
         return attention
 
     def run(attention, dtype):
-        x, tab = qkv.to(dtype).requires_grad_(), table.to(torch.promote_types(dtype, torch.float32)).requires_grad_()
+        # copies: .to() of the dtype a tensor has is the tensor itself, which requires_grad_ would change
+        x = qkv.to(dtype, copy=True).requires_grad_()
+        tab = table.to(torch.promote_types(dtype, torch.float32), copy=True).requires_grad_()
         out = attention(x, tab[buckets].t())
         out.backward(dout.to(dtype))
         return out.detach(), x.grad, tab.grad

@@ -27,6 +27,7 @@ ATTENTION_BACKENDS = ("auto", "math", "sdpa", "triton")
 RESIDUAL_DTYPES = ("float32", "autocast")
 FFN_KERNELS = ("default", "quack")
 ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
+ATTENTION_BIAS_LAYOUTS = ("auto", "dense", "row")
 ZERO3_COMPILE_MODES = ("blocks", "pointwise")  # training.zero3_compile
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile
 DEVICES = ("auto", "cuda", "cpu")
@@ -83,6 +84,11 @@ class ModelConfig:
     block's inputs only; its forward runs again in the backward: for the largest models and the
     longest inputs) | selective (the GEMM and attention outputs; the element-wise ops run again).
     training/model/activation_checkpointing.py."""
+    attention_bias_layout: str = "auto"
+    """How the fused attention gets T5's relative bias: auto (as its (heads, q + k - 1) row from
+    4096 x 4096 query x key pairs on, where that is the faster step; expanded below) | dense | row.
+    The row keeps the bias and the backward's dS out of memory that grows with the square of the
+    length (training/model/attention.py)."""
     compile: bool = True
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
@@ -120,6 +126,7 @@ class ModelConfig:
         _check_choice("model.residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         _check_choice("model.ffn_kernel", self.ffn_kernel, FFN_KERNELS)
         _check_choice("model.activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+        _check_choice("model.attention_bias_layout", self.attention_bias_layout, ATTENTION_BIAS_LAYOUTS)
         _check_choice("model.zero3_compile", self.zero3_compile, ZERO3_COMPILE_MODES)
         _check_choice("model.compile_mode", self.compile_mode, COMPILE_MODES)
         _check(

@@ -48,6 +48,7 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "model.residual_dtype": (APPLIES, "the same weights, computed in another precision"),
     "model.ffn_kernel": (APPLIES, "the same weights, computed by other kernels"),
     "model.activation_checkpointing": (APPLIES, "the same computation, with less memory kept for the backward"),
+    "model.attention_bias_layout": (APPLIES, "the same attention, with the bias read from its row or expanded"),
     "model.compile": (APPLIES, "how the same model is run"),
     "model.compile_mode": (APPLIES, "how the same model is run"),
     "model.zero3_compile": (APPLIES, "how the same model is run"),

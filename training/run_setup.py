@@ -55,6 +55,7 @@ def build_model(model_section, device: torch.device, init: str | None = None, vo
         "residual_dtype": model_section.residual_dtype,
         "ffn_kernel": model_section.ffn_kernel,
         "activation_checkpointing": model_section.activation_checkpointing,
+        "attention_bias_layout": model_section.attention_bias_layout,
     }
     if model_section.ffn_kernel == "quack":
         quack_ffn.load()  # here, so that a run asking for it on a machine that lacks it stops at once

@@ -102,9 +102,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "math"
 
 
-# From how many query x key pairs on "auto" hands the fused attention the bias as its row: 2048 x
-# 2048, where T5 base's dense bias takes 200 MB (+100 MB in fp16) and each layer's dS 100 MB a sequence.
-ROW_BIAS_FROM_SCORES = 2048 * 2048
+# From how many query x key pairs on "auto" hands the fused attention the bias as its row: 4096 x
+# 4096. The row's step is slower below (the backward recomputes dQ where the dense path reuses the
+# stored dS) and faster from there on (T5 base, ~64k input tokens a step, uncompiled, one H200:
+# 2048 inputs 0.2524 s against 0.2411 dense; 4096 0.3121 against 0.3486; 8192 0.4857 against 0.6973
+# at 34.5 GiB against 45.0; docs/performance.md).
+ROW_BIAS_FROM_SCORES = 4096 * 4096
 
 
 def row_bias_applies(layout: str, backend: str, device: torch.device, q_len: int, k_len: int) -> bool:

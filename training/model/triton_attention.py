@@ -438,6 +438,11 @@ def _check_supported(d_kv: int) -> None:
         )
 
 
+# Elements from which a dense (H, SQ, SK) bias has offsets the kernels' int32 arithmetic cannot hold
+# (T5 base at 16,384 x 16,384: 3.2e9).
+_INT32_OFFSETS = 2**31
+
+
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """The autocast dtype when autocast is on, unit last stride."""
     if torch.is_autocast_enabled(t.device.type):
@@ -467,6 +472,9 @@ def t5_flash_attention_packed(
     dS, and a row's backward keeps dS only within bias_far of the diagonal. 0: no promise.
     """
     _check_supported(q_src.shape[-1] // (3 if kv_src is None else 1) // heads)
+    if bias is not None and bias.dim() == 3 and bias.numel() >= _INT32_OFFSETS:
+        raise ValueError(f"a dense bias of {bias.numel()} elements is past the fused kernel's 32-bit offsets: hand "
+                         "it the bias as its row (T5Config.attention_bias_layout 'auto' or 'row')")  # fmt: skip
     q_src = _kernel_ready(q_src)
     kv_src = q_src.new_empty((0,)) if kv_src is None else _kernel_ready(kv_src).to(q_src.dtype)
     bias = q_src.new_empty((0,), dtype=torch.float32) if bias is None else bias.float().contiguous()
