@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="profile 3 steps and write their chrome trace to FILE (FILE.<i>.json with several variants); "
                              "tools/trace_gaps.py reads it")  # fmt: skip
     parser.add_argument("--json", default="", help="append one JSON line per variant to this file")
+    parser.add_argument("--compile-times", action="store_true",
+                        help="print torch.compile's time per phase (dynamo, AOTAutograd, inductor) after each variant")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("training.benchmark needs a CUDA GPU")
@@ -352,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['first_step_s']:.0f}{_cache_outcome(r)} | {r['wall_s_per_step']:.4f} | "
                   f"{r['final_loss']:.9g} | {r['param_sum']!r} |",
                   flush=True)  # fmt: skip
+        if args.compile_times and v["compile"]:  # where the first step's compile went, before the reset below
+            print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), flush=True)
         r["matmul_ceiling_tflops"] = ceiling
         if args.json:
             with open(args.json, "a") as f:
