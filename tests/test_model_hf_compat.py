@@ -23,7 +23,7 @@ def model() -> T5ForConditionalGeneration:
 
 
 def _batch(high: int = 32128):
-    """(input_ids with the last 3 positions of row 1 masked, their mask, decoder ids): ids in [2, high)."""
+    """(input_ids with the second sequence's last 3 positions masked, their mask, decoder ids): ids in [2, high)."""
     g = torch.Generator().manual_seed(5)
     input_ids = torch.randint(2, high, (2, 12), generator=g)
     mask = torch.ones_like(input_ids)

@@ -162,13 +162,10 @@ def test_refusals(pretrained, tokenizer, shards, tmp_path, spiece_path, capsys):
 
     from data_prep import shard
     from training.cli_errors import ExpectedError
+    from training.config import DataConfig
     from training.data import PretrainBatches
-    from training.vocabulary import (
-        check_init_vocabulary,
-        check_sentinel_count,
-        init_tokenizer,
-        run_vocabulary,
-    )
+    from training.data.objectives import build_objective
+    from training.vocabulary import check_init_vocabulary, init_tokenizer, run_vocabulary
 
     assert init_tokenizer(str(pretrained)) == str(tokenizer)
     vocab = run_vocabulary(tokenizer)
@@ -178,9 +175,12 @@ def test_refusals(pretrained, tokenizer, shards, tmp_path, spiece_path, capsys):
         check_init_vocabulary("t5-run", 32128, vocab)  # T5 weights, this tokenizer
     with pytest.raises(ExpectedError, match="has a vocabulary of 2176 entries.*data.tokenizer"):
         check_init_vocabulary(str(pretrained), 2176, run_vocabulary(spiece_path))  # this run, T5's tokenizer
-    check_sentinel_count(vocab, 512, 0.15, 3.0)  # 28 spans
-    with pytest.raises(ExpectedError, match="makes 205 noise spans a row.*has 100 sentinels"):
-        check_sentinel_count(vocab, 3700, 0.15, 3.0)
+    sentinels = {"sentinel_start_id": vocab.sentinel_start_id, "num_sentinels": vocab.tokenizer.num_sentinels}
+    build_objective(DataConfig(input_length=512, tokenizer=str(tokenizer)), **sentinels)  # 28 spans
+    for objective in ("span_corruption", "prefix_lm"):  # prefix_lm (needs no sentinels) evaluates span corruption too
+        data = DataConfig(objective=objective, input_length=3700, tokenizer=str(tokenizer))
+        with pytest.raises(ExpectedError, match="makes 205 noise spans a row.*has 100 sentinels"):
+            build_objective(data, mode_ids=lambda text: (), **sentinels)
     t5 = run_vocabulary(spiece_path)
     with pytest.raises(ValueError, match="Re-shard the corpus with the run's tokenizer"):
         PretrainBatches(shards, rank=0, world_size=1, micro_batch_size=2, grad_acc=1, seed=0, input_length=64,

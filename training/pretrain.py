@@ -65,17 +65,17 @@ from training.run_setup import (
     start_engine,
 )
 from training.stop_signals import EXIT_NONFINITE, EXIT_REQUEUE
-from training.vocabulary import RunVocabulary, check_sentinel_count, run_vocabulary
+from training.vocabulary import RunVocabulary, run_vocabulary
 
 logger = logging.getLogger("t5ds.pretrain")
 
 
 @expected_errors("data.dir", ValueError, FileNotFoundError)  # the shards do not fit the run config
-def objective_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary, dist_info: DistInfo
-                   ) -> tuple[PretrainBatches, dict[str, list[dict]] | dict[str, dict[str, list[dict]]] | None]:
+def objective_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary, dist_info: DistInfo,
+                   train_objective) -> tuple[PretrainBatches, dict[str, list[dict]] | dict[str, dict[str, list[dict]]] | None]:
     """This rank's training batches (a resumable stream) and validation sets (named fixed lists of
     batches, `objectives.evaluation_sets`; None when the dataset has no validation split) of the
-    objective `data.objective`, with the sentinels of the run's tokenizer, over the shards in
+    objective `train_objective` (`build_objective`), with the run's tokenizer, over the shards in
     `data.dir`, or over the mixture `data.sources` (then the validation sets by corpus name)."""
     rank, world_size = dist_info.rank, dist_info.world_size
     objective = {
@@ -85,10 +85,6 @@ def objective_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary, di
         "sentinel_start_id": vocab.sentinel_start_id,
     }
     corpora = [WeightedCorpus(s.name, s.dir, s.weight) for s in cfg.data.sources]
-    tokenizer = vocab.tokenizer
-    train_objective = build_objective(cfg.data, sentinel_start_id=tokenizer.sentinel_start_id,
-                                      num_sentinels=tokenizer.num_sentinels, eos_id=tokenizer.eos_id,
-                                      pad_id=tokenizer.pad_id)
     train_batches = PretrainBatches(
         corpora or cfg.data.dir, "train", rank=rank, world_size=world_size, micro_batch_size=micro_batch_size(cfg, world_size),
         grad_acc=cfg.optim.grad_acc, seed=cfg.seed, num_workers=cfg.data.num_workers,
@@ -208,10 +204,12 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     # --- model, data, optimizer, DeepSpeed engine -------------------------------------------
     ds_config = resolve_ds_config(ds_config_path or cfg.ds_config, cfg, world_size, device_type=device.type)
     vocab = run_vocabulary(cfg.data.tokenizer, cfg.model.vocab_size)
-    if cfg.data.objective == "span_corruption":  # the other objectives' builders check their sentinels
-        check_sentinel_count(vocab, cfg.data.input_length, cfg.data.noise_density, cfg.data.mean_noise_span_length)
+    tokenizer = vocab.tokenizer  # the objective first: its refusals (sentinels, denoisers) come before the model
+    train_objective = build_objective(cfg.data, sentinel_start_id=tokenizer.sentinel_start_id,
+                                      num_sentinels=tokenizer.num_sentinels, eos_id=tokenizer.eos_id,
+                                      pad_id=tokenizer.pad_id)
     model, model_cfg = build_model(cfg.model, device, init=cfg.model.init_from, vocab=vocab)
-    train_batches, val_sets = objective_data(cfg, model_cfg, vocab, dist_info)
+    train_batches, val_sets = objective_data(cfg, model_cfg, vocab, dist_info, train_objective)
     horizon = Horizon(total_steps=cfg.optim.total_steps)
     optimizer, scheduler = build_optimizer_and_schedule(cfg, model, horizon)
     setup_complete(dist_info)  # every rank is set up, or every rank stops here and one prints the error

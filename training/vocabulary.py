@@ -4,9 +4,9 @@ Hugging Face tokenizer directory).
 The model's embedding and head get the tokenizer's ids (pieces + sentinels) rounded up to a multiple
 of 128, which keeps the head's GEMMs on full tiles: 32100 -> 32128 for T5, 250100 -> 250112 for mT5
 (T5's and mT5's own sizes). `model.vocab_size` sets the size explicitly; one smaller than the
-tokenizer needs is refused. Span corruption takes the tokenizer's sentinel ids (`check_sentinel_count`:
-enough of them for a row's noise spans); the shards' manifest and a starting checkpoint are checked
-against them (training/data/row_store.py, `check_init_vocabulary`).
+tokenizer needs is refused. Span corruption takes the tokenizer's sentinel ids (enough of them for a
+row's noise spans: `training.data.objectives.build_objective`); the shards' manifest and a starting
+checkpoint are checked against them (training/data/row_store.py, `check_init_vocabulary`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.shard_format import t5_span_lengths
 from data_prep.tokenizer import DEFAULT_SPIECE, TokenizerInfo, load_tokenizer
 from training.cli_errors import ExpectedError
-from training.data.span_corruption import noise_counts
 from training.run_dir import RunDir
 
 VOCAB_MULTIPLE = 128
@@ -56,20 +54,6 @@ def run_vocabulary(tokenizer_path: str | Path, model_vocab_size: int | None = No
             f"or set it to at least {info.vocab_size}"
         )
     return RunVocabulary(info, model_vocab_size)
-
-
-def check_sentinel_count(vocab: RunVocabulary, input_length: int, noise_density: float,
-                         mean_noise_span_length: float) -> None:
-    """Refuse span corruption that needs more sentinels per row than the tokenizer has (span k gets
-    <extra_id_k>; past the last one it would take ids of ordinary pieces)."""
-    _, spans = noise_counts(t5_span_lengths(input_length, noise_density, mean_noise_span_length)[0], noise_density,
-                            mean_noise_span_length)
-    if spans > vocab.tokenizer.num_sentinels:
-        raise ExpectedError(
-            f"data.input_length={input_length} makes {spans} noise spans a row, but tokenizer {vocab.tokenizer.path} "
-            f"has {vocab.tokenizer.num_sentinels} sentinels: lower data.input_length or raise "
-            f"data.mean_noise_span_length, or use a tokenizer with more (data_prep.tokenizer train --extra-ids {spans})"
-        )
 
 
 def check_init_vocabulary(init: str, init_vocab_size: int, vocab: RunVocabulary) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 from data_prep.shard_format import t5_span_lengths
 from training.config import ConfigError
 from training.data.denoisers import DenoiserMixture, resolve
-from training.data.span_corruption import SpanCorruption
+from training.data.span_corruption import SpanCorruption, noise_counts
 
 
 class SpanCorruptionObjective:
@@ -101,7 +101,18 @@ def sentencepiece_mode_ids(tokenizer_path: str) -> Callable[[str], tuple[int, ..
     return ids
 
 
-def _span_corruption(data, sentinel_start_id: int, eos_id: int, pad_id: int) -> SpanCorruption:
+def _span_corruption(data, sentinel_start_id: int, num_sentinels: int, eos_id: int, pad_id: int) -> SpanCorruption:
+    """T5 span corruption at `data`'s lengths; ConfigError where a row needs more noise spans than the
+    tokenizer has sentinels (span k gets <extra_id_k>; past the last one it would take ids of ordinary
+    pieces)."""
+    _, spans = noise_counts(t5_span_lengths(data.input_length, data.noise_density, data.mean_noise_span_length)[0],
+                            data.noise_density, data.mean_noise_span_length)
+    if spans > num_sentinels:
+        raise ConfigError(
+            f"data.input_length={data.input_length} makes {spans} noise spans a row, but tokenizer {data.tokenizer} "
+            f"has {num_sentinels} sentinels: lower data.input_length or raise data.mean_noise_span_length, or use "
+            f"a tokenizer with more (data_prep.tokenizer train --extra-ids {spans})"
+        )
     return SpanCorruption(input_length=data.input_length, noise_density=data.noise_density,
                           mean_noise_span_length=data.mean_noise_span_length, sentinel_start_id=sentinel_start_id,
                           eos_id=eos_id, pad_id=pad_id)
@@ -121,12 +132,12 @@ def _denoising(data, mode_ids: Callable[[str], tuple[int, ...]], sentinel_start_
     mixture = DenoiserMixture(specs, [d.weight for d in denoisers], input_length=data.input_length,
                               sentinel_start_id=sentinel_start_id, eos_id=eos_id, pad_id=pad_id)
     return DenoisingObjective(data.objective, mixture, row_length,
-                              _span_corruption(data, sentinel_start_id, eos_id, pad_id))
+                              _span_corruption(data, sentinel_start_id, num_sentinels, eos_id, pad_id))
 
 
 def _span_corruption_objective(data, mode_ids, sentinel_start_id: int, num_sentinels: int, eos_id: int,
                                pad_id: int) -> SpanCorruptionObjective:
-    return SpanCorruptionObjective(_span_corruption(data, sentinel_start_id, eos_id, pad_id))
+    return SpanCorruptionObjective(_span_corruption(data, sentinel_start_id, num_sentinels, eos_id, pad_id))
 
 
 # data.objective -> builder(data, mode_ids, sentinel_start_id, num_sentinels, eos_id, pad_id)
@@ -138,7 +149,8 @@ def build_objective(data, *, mode_ids: Callable[[str], tuple[int, ...]] | None =
                     pad_id: int = 0) -> SpanCorruptionObjective | DenoisingObjective:
     """The objective `data` (a training.config.DataConfig) names. `mode_ids` turns a mode token into ids
     (default: `sentencepiece_mode_ids(data.tokenizer)`); `sentinel_start_id` is the id of <extra_id_0>,
-    with `num_sentinels` sentinels counting down from it. ConfigError when a denoiser cannot run."""
+    with `num_sentinels` sentinels counting down from it. ConfigError when a denoiser cannot run, or
+    when the tokenizer has too few sentinels for a row's noise spans."""
     if data.objective not in OBJECTIVES:
         raise ConfigError(f"data.objective={data.objective!r} is not valid; use one of: {', '.join(OBJECTIVES)}")
     if mode_ids is None and any(d.mode_token for d in data.objective_denoisers):
