@@ -184,6 +184,11 @@ def iter_chunks(source: Source, position: tuple[int, int], chunk_docs: int,
             yield chunk
 
 
+def _encode_in_process(chunk: Chunk) -> tuple:
+    """`encode_chunk` of a chunk in this process, splitting a block of raw lines first."""
+    return encode_chunk(chunk.fmt, chunk.payloads if chunk.records is not None else split_lines(chunk.block))
+
+
 def encode_unit(task: UnitTask, chunk_docs: int, spill: str) -> list[tuple[Chunk, int, int, np.ndarray, dict]]:
     """Read, cut and encode a whole file in the worker; its tokens go to the file `spill`, in chunk
     order. Returns per chunk (the chunk without its text, offset and count of its tokens in `spill`,
@@ -193,8 +198,7 @@ def encode_unit(task: UnitTask, chunk_docs: int, spill: str) -> list[tuple[Chunk
         for chunk in _line_chunks(task, chunk_docs):
             if _WORKER["stop"] is not None and _WORKER["stop"].is_set():
                 break  # the answer is not read: the main process is stopping after an error
-            payloads = chunk.payloads if chunk.records is not None else split_lines(chunk.block)
-            tokens, lengths, skips = encode_chunk(chunk.fmt, payloads)
+            tokens, lengths, skips = _encode_in_process(chunk)
             tokens.tofile(f)
             chunk.block = b""
             out.append((chunk, offset, len(tokens), lengths, skips))
@@ -249,8 +253,7 @@ def ordered_results(tasks: Iterator[Chunk | UnitTask], executor: ProcessPoolExec
     tokens wait on disk) in flight, so memory stays bounded."""
     if executor is None:
         for chunk in tasks:
-            payloads = chunk.payloads if chunk.records is not None else split_lines(chunk.block)
-            yield chunk, encode_chunk(chunk.fmt, payloads)
+            yield chunk, _encode_in_process(chunk)
         return
     pending: deque = deque()
     weight, spills = 0, _Spills(spill_dir)
