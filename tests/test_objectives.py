@@ -101,7 +101,7 @@ def test_padding_fraction_of_ul2_on_c4(ul2, c4_rows):  # noqa: F811
     batch = ul2.make(np.resize(c4_rows, (2000, 568)), np.arange(2000), seed=0, stream=0)
     used = batch["attention_mask"].sum() + (batch["labels"] != -100).sum()
     padding = 1 - used / (2000 * (512 + 384))
-    assert 0.28 < padding < 0.32, padding  # 0.30
+    assert 0.32 < padding < 0.36, padding  # 0.34
 
 
 def test_prefix_lm_and_span_corruption_objectives(spiece_path, c4_rows):  # noqa: F811

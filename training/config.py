@@ -186,16 +186,16 @@ class Denoiser:
             self.name = f"span_{shape}_r{self.rate:g}" if self.kind == "span" else f"prefix_r{self.rate:g}"
 
 
-# UL2 (Tay et al. 2022): R-denoisers [NLU], X-denoisers [NLG], the S-denoiser (prefix LM) [S2S]; the
-# S-denoiser takes 20% of the samples, the six span denoisers share the rest equally.
+# UL2 (Tay et al. 2022): R-denoisers [NLU], X-denoisers [NLG], the S-denoiser (prefix LM) [S2S], in
+# the proportions of UL2's released mixture (as FAT5 trains it): R 33%, S 34%, X 33%, equal within R and X.
 UL2_DENOISERS = (
-    Denoiser("span", 0.15, 3.0, mode_token="[NLU]", weight=4.0, name="R_mu3_r0.15"),
-    Denoiser("span", 0.15, 8.0, mode_token="[NLU]", weight=4.0, name="R_mu8_r0.15"),
-    Denoiser("span", 0.5, 3.0, mode_token="[NLG]", weight=4.0, name="X_mu3_r0.5"),
-    Denoiser("span", 0.5, 8.0, mode_token="[NLG]", weight=4.0, name="X_mu8_r0.5"),
-    Denoiser("span", 0.15, 64.0, mode_token="[NLG]", weight=4.0, name="X_mu64_r0.15"),
-    Denoiser("span", 0.5, 64.0, mode_token="[NLG]", weight=4.0, name="X_mu64_r0.5"),
-    Denoiser("prefix", 0.25, mode_token="[S2S]", weight=6.0, name="S_prefix_r0.25"),
+    Denoiser("span", 0.15, 3.0, mode_token="[NLU]", weight=0.165, name="R_mu3_r0.15"),
+    Denoiser("span", 0.15, 8.0, mode_token="[NLU]", weight=0.165, name="R_mu8_r0.15"),
+    Denoiser("span", 0.5, 3.0, mode_token="[NLG]", weight=0.0825, name="X_mu3_r0.5"),
+    Denoiser("span", 0.5, 8.0, mode_token="[NLG]", weight=0.0825, name="X_mu8_r0.5"),
+    Denoiser("span", 0.15, 64.0, mode_token="[NLG]", weight=0.0825, name="X_mu64_r0.15"),
+    Denoiser("span", 0.5, 64.0, mode_token="[NLG]", weight=0.0825, name="X_mu64_r0.5"),
+    Denoiser("prefix", 0.25, mode_token="[S2S]", weight=0.34, name="S_prefix_r0.25"),
 )
 PREFIX_LM_DENOISERS = (Denoiser("prefix", 0.25),)
 
