@@ -71,10 +71,10 @@ def test_a_grouped_step_holds_the_ungrouped_samples_sorted_and_trimmed(dataset, 
     assert len(widths) > 1
 
 
-@pytest.mark.parametrize("grad_acc,bound", [(2, 0.33), (4, 0.29)])
+@pytest.mark.parametrize("grad_acc,bound", [(2, 0.37), (4, 0.32)])
 def test_padding_fraction_of_grouped_ul2_on_c4(ul2, c4_rows, grad_acc, bound):  # noqa: F811
     """Label padding of UL2 with steps of 128 samples per rank (micro-batches of 128 / grad_acc) over 32
-    steps: 0.48 ungrouped, 0.30 grouped by two, 0.26 by four (docs/objectives.md quotes them)."""
+    steps: 0.56 ungrouped, 0.35 grouped by two, 0.30 by four (docs/objectives.md quotes them)."""
     samples = 32 * 128
     batch = ul2.make(np.resize(c4_rows, (samples, 568)), np.arange(samples), seed=0, stream=0)
     real = int((batch["labels"] != -100).sum())
@@ -83,7 +83,7 @@ def test_padding_fraction_of_grouped_ul2_on_c4(ul2, c4_rows, grad_acc, bound):  
     positions = sum(micro["labels"].size for s in range(0, samples, 128)
                     for micro in group_step({k: v[s:s + 128] for k, v in batch.items()}, grad_acc, buckets))
     grouped = 1 - real / positions
-    assert 0.46 < ungrouped < 0.50 and bound - 0.05 < grouped < bound, (ungrouped, grouped)
+    assert 0.54 < ungrouped < 0.58 and bound - 0.05 < grouped < bound, (ungrouped, grouped)
 
 
 def test_a_grouped_step_gives_the_ungrouped_gradient(ul2, c4_rows):  # noqa: F811

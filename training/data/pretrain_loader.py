@@ -23,7 +23,10 @@ cursor on a different number of GPUs (same G) sees exactly the batches it would 
 
 Workers. Rank r's micro-batches are numbered j = 0, 1, 2, ... (global batch j // grad_acc,
 micro-step j % grad_acc). DataLoader worker w of k produces j = w, w + k, ...; the DataLoader
-returns them round-robin, i.e. in order of j. Rows are read and corrupted in the workers.
+returns them round-robin, i.e. in order of j. Rows are read and corrupted in the workers. With
+length groups (`target_buckets`, length_groups.py) a worker makes whole steps instead (step
+s = w, w + k, ...: its grad_acc micro-batches, sorted by target length, as one item), handed out
+one micro-batch at a time in the same order of j.
 
 Cursor and prefetching. `PretrainBatches.cursor` is the position after the last global batch whose
 last micro-batch the consumer has pulled: it advances by G just before the grad_acc-th micro-batch
