@@ -224,6 +224,14 @@ class DataConfig:
     denoisers: tuple[Denoiser, ...] = ()
     """The denoisers of ul2 / prefix_lm, each {kind, rate, mean_span, spans, mode_token, weight,
     name}; empty = the objective's default (UL2's seven; one prefix denoiser of rate 0.25)."""
+    target_buckets: tuple[int, ...] = ()
+    """Length-grouped micro-batches for ul2 / prefix_lm, e.g. [128, 256]: each optimizer step's
+    micro-batches of a rank hold the same samples, sorted by target length, and each micro-batch's
+    labels are as wide as the smallest of these widths (or the objective's target length, always
+    the last) that holds its longest target; the gradient stays the ungrouped one. Ascending
+    multiples of 8 below the target length (384 for UL2 at input_length 512). Empty = off (every
+    micro-batch is target_length wide). Needs optim.grad_acc >= 2: with one micro-batch per step
+    there is nothing to group. training/data/length_groups.py."""
     num_workers: int = 2
     """DataLoader worker processes per rank (0 = load in the training process)."""
 
@@ -260,6 +268,12 @@ class DataConfig:
                f"data.denoisers weights {weights} sum to 0: give at least one denoiser a positive weight")
         names = [d.name for d in self.denoisers]
         _check(len(set(names)) == len(names), f"data.denoisers names {names} repeat: give each a distinct name")
+        _check(not self.target_buckets or self.objective != "span_corruption",
+               "data.target_buckets applies to data.objective=ul2 or prefix_lm (span corruption's targets all have "
+               "one length): drop data.target_buckets")
+        buckets = list(self.target_buckets)
+        _check(all(b > 0 and b % 8 == 0 for b in buckets) and buckets == sorted(set(buckets)),
+               f"data.target_buckets={buckets} must be ascending multiples of 8, e.g. [128, 256]")
         shared = sorted({s.name for s in self.sources} & {d.name for d in self.objective_denoisers})
         _check(not shared, f"data.sources and the denoisers both use the name(s) {shared} (eval_loss/NAME): "
                            "rename the sources (data.sources[].name)")

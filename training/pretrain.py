@@ -90,8 +90,12 @@ def objective_data(cfg: RunConfig, model_cfg: T5Config, vocab: RunVocabulary, di
         grad_acc=cfg.optim.grad_acc, seed=cfg.seed, num_workers=cfg.data.num_workers,
         # Pinned host memory makes the copy to the GPU asynchronous; a pageable copy would block
         # the host until the GPU has finished the previous step, so no kernels could be queued ahead.
-        pin_memory=dist_info.device.type == "cuda", objective=train_objective, **objective,
+        pin_memory=dist_info.device.type == "cuda", objective=train_objective,
+        target_buckets=cfg.data.target_buckets or None, **objective,
     )
+    if cfg.data.target_buckets and cfg.optim.grad_acc == 1 and rank == 0:
+        logger.warning("data.target_buckets groups the micro-batches of a step, and optim.grad_acc=1 makes one: "
+                       "nearly every step keeps the full target length (raise optim.grad_acc to group)")
     if corpora:
         return train_batches, mixture_validation(cfg, corpora, dist_info, train_objective, objective)
     if not has_split(cfg.data.dir, "validation"):
@@ -130,7 +134,8 @@ def mixture_validation(cfg: RunConfig, corpora: list[WeightedCorpus], dist_info:
 class LogWindow:
     """What the loop sums up between two log lines."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, target_length: int) -> None:
+        self.target_length = target_length  # label positions per sample of an ungrouped micro-batch
         self.loss = torch.zeros((), device=device)  # on the device: adding a step's loss never syncs
         self.last_step_loss = torch.zeros((), device=device)  # the newest step's (read before a checkpoint)
         self.reset()
@@ -149,12 +154,13 @@ class LogWindow:
         """Add a micro-batch's real tokens and FLOPs; return the factor of its mean token loss that makes
         it the sum of its token losses over its label positions. Targets of varying length (denoising
         objectives) need that constant denominator for every split of the global batch over ranks and
-        micro-steps to give the same gradient (a mean per micro-batch weights tokens unevenly)."""
+        micro-steps to give the same gradient (a mean per micro-batch weights tokens unevenly); the label
+        positions are those of the ungrouped micro-batch, also where length groups trim the labels."""
         mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
         input_lengths = torch.full((len(batch["input_ids"]),), batch["input_ids"].shape[1]) if mask is None \
             else mask.sum(1)
         target_lengths = (batch["labels"] != -100).sum(1)
-        targets, positions = int(target_lengths.sum()), batch["labels"].numel()
+        targets, positions = int(target_lengths.sum()), len(batch["labels"]) * self.target_length
         self.tokens += int(input_lengths.sum()) + targets
         self.flops += samples_flops_per_step(model_cfg, input_lengths.numpy(), target_lengths.numpy())
         self.targets += targets
@@ -271,7 +277,7 @@ def train(cfg: RunConfig, ds_config_path: str | None, dist_info: DistInfo) -> in
     peak_tflops = matmul_peak_tflops(device)  # None on CPU: MFU is reported on GPUs only
     exit_code = 0
     skips = NonfiniteWatch(optimizer, engine, skipped_before=skipped_before)
-    window = LogWindow(device)
+    window = LogWindow(device, train_batches.target_length)
     remaining = RemainingTime()
     first_step = step
     engine.train()

@@ -71,6 +71,7 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "data.mean_noise_span_length": (REFUSED, "the objective the run trains"),
     "data.objective": (APPLIES, "from the resume step on: every objective reads the rows the cursor counts"),
     "data.denoisers": (APPLIES, "from the resume step on: every objective reads the rows the cursor counts"),
+    "data.target_buckets": (APPLIES, "from the resume step on: the same samples per step, grouped otherwise"),
     "data.num_workers": (APPLIES, "loader processes only"),
     "data.epochs": (APPLIES, "the run's length; the schedule's horizon follows"),
     "data.max_instances_per_task": (REFUSED, "it selects the training examples whose order the step count indexes"),

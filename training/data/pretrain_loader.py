@@ -23,7 +23,10 @@ cursor on a different number of GPUs (same G) sees exactly the batches it would 
 
 Workers. Rank r's micro-batches are numbered j = 0, 1, 2, ... (global batch j // grad_acc,
 micro-step j % grad_acc). DataLoader worker w of k produces j = w, w + k, ...; the DataLoader
-returns them round-robin, i.e. in order of j. Rows are read and corrupted in the workers.
+returns them round-robin, i.e. in order of j. Rows are read and corrupted in the workers. With
+length groups (`target_buckets`, length_groups.py) a worker makes whole steps instead (step
+s = w, w + k, ...: its grad_acc micro-batches, sorted by target length, as one item), handed out
+one micro-batch at a time in the same order of j.
 
 Cursor and prefetching. `PretrainBatches.cursor` is the position after the last global batch whose
 last micro-batch the consumer has pulled: it advances by G just before the grad_acc-th micro-batch
@@ -43,6 +46,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from training.data.length_groups import check_buckets, group_step
 from training.data.mixture import (
     SampleRows,
     WeightedCorpus,
@@ -171,35 +175,40 @@ class _PretrainStream(IterableDataset):
         micro_batch_size: int,
         grad_acc: int,
         include_indices: bool,
+        buckets: tuple[int, ...] | None,
     ) -> None:
         self.sample_rows, self.objective, self.start, self.seed = sample_rows, objective, start, seed
         self.rank, self.world_size = rank, world_size
         self.micro_batch_size, self.grad_acc = micro_batch_size, grad_acc
-        self.include_indices = include_indices
+        self.include_indices, self.buckets = include_indices, buckets
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]]:
+        """Micro-batches j = w, w + k, ... of worker w of k; with `buckets`, steps s = w, w + k, ... instead,
+        each the list of its grad_acc length-grouped micro-batches (length_groups.py)."""
         worker = get_worker_info()
         worker_id, num_workers = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        micro_index = worker_id
+        index = worker_id
         while True:
-            samples = micro_batch_sample_indices(
-                self.start,
-                micro_index,
-                rank=self.rank,
-                world_size=self.world_size,
-                micro_batch_size=self.micro_batch_size,
-                grad_acc=self.grad_acc,
-            )
-            rows, row_ids, sources = self.sample_rows.read(samples)
-            _check_token_ids(rows, self.objective, self.sample_rows.stores, sources)
-            batch = _to_batch(self.objective.make(rows, samples, self.seed, NOISE_STREAM_TRAIN))
-            if self.include_indices:
-                batch["sample_index"] = torch.from_numpy(samples)
-                batch["row_index"] = torch.from_numpy(row_ids)
-                if len(self.sample_rows.stores) > 1:
-                    batch["source_index"] = torch.from_numpy(sources)
-            yield batch
-            micro_index += num_workers
+            if self.buckets is None:
+                yield _to_batch(self._arrays(self._samples(index)))
+            else:
+                samples = np.concatenate([self._samples(index * self.grad_acc + m) for m in range(self.grad_acc)])
+                yield [_to_batch(micro) for micro in group_step(self._arrays(samples), self.grad_acc, self.buckets)]
+            index += num_workers
+
+    def _samples(self, micro_index: int) -> np.ndarray:
+        return micro_batch_sample_indices(self.start, micro_index, rank=self.rank, world_size=self.world_size,
+                                          micro_batch_size=self.micro_batch_size, grad_acc=self.grad_acc)
+
+    def _arrays(self, samples: np.ndarray) -> dict[str, np.ndarray]:
+        rows, row_ids, sources = self.sample_rows.read(samples)
+        _check_token_ids(rows, self.objective, self.sample_rows.stores, sources)
+        arrays = self.objective.make(rows, samples, self.seed, NOISE_STREAM_TRAIN)
+        if self.include_indices:
+            arrays["sample_index"], arrays["row_index"] = samples, row_ids
+            if len(self.sample_rows.stores) > 1:
+                arrays["source_index"] = sources
+        return arrays
 
 
 def _objective_and_store(
@@ -258,7 +267,9 @@ class PretrainBatches:
     grad_acc consecutive items make this rank's share of one optimizer step. `data_dir` is one
     directory or the corpora of a mixture. `objective` (`objectives.build_objective`) replaces the
     span corruption the length and noise arguments set; its batches may add keys (attention_mask,
-    denoiser).
+    denoiser). `target_buckets` (label widths below the objective's target_length) groups each
+    step's grad_acc micro-batches by target length (length_groups.py): labels are then as wide as
+    the smallest bucket (or target_length) that holds the micro-batch's longest target.
     """
 
     def __init__(
@@ -283,6 +294,7 @@ class PretrainBatches:
         cursor: Cursor | dict | None = None,
         include_indices: bool = False,
         objective=None,
+        target_buckets: Sequence[int] | None = None,
     ) -> None:
         _check_rank(rank, world_size)
         if micro_batch_size < 1 or grad_acc < 1 or num_workers < 0:
@@ -314,6 +326,7 @@ class PretrainBatches:
         self.micro_batch_size, self.grad_acc = micro_batch_size, grad_acc
         self.num_workers, self.prefetch_factor, self.pin_memory = num_workers, prefetch_factor, pin_memory
         self.include_indices = include_indices
+        self.buckets = None if target_buckets is None else check_buckets(target_buckets, self.target_length)
         self._cursor = Cursor(seed=seed, rows_per_epoch=self.rows_per_epoch)
         self._iterator: Iterator[dict[str, torch.Tensor]] | None = None
         if cursor is not None:
@@ -408,6 +421,7 @@ class PretrainBatches:
             micro_batch_size=self.micro_batch_size,
             grad_acc=self.grad_acc,
             include_indices=self.include_indices,
+            buckets=self.buckets,
         )
         loader = DataLoader(
             stream,
@@ -417,10 +431,13 @@ class PretrainBatches:
             pin_memory=self.pin_memory,
             worker_init_fn=ignore_stop_signals,  # the rank decides when its workers end (stop_signals.py)
         )
-        for micro_index, batch in enumerate(loader):
-            if (micro_index + 1) % self.grad_acc == 0:
-                self._cursor.samples_consumed += self.global_batch_size  # before handing out the last one
-            yield batch
+        micro_index = 0
+        for item in loader:
+            for batch in item if self.buckets else (item,):  # grouped: a step's micro-batches at once
+                micro_index += 1
+                if micro_index % self.grad_acc == 0:
+                    self._cursor.samples_consumed += self.global_batch_size  # before handing out the last one
+                yield batch
 
 
 class ValidationBatches:
