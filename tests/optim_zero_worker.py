@@ -20,6 +20,9 @@ STEPS = 5
 GLOBAL_BATCH = 4
 LR = 1e-2
 RESUME_AT = 2  # the *_resume cases checkpoint before this step and continue in a new engine
+# The *_blocks cases with T5Config.activation_checkpointing: the backward runs each leaf block again.
+ACTIVATION_CHECKPOINTING = {"zero3_blocks_ckpt": "block", "zero3_blocks_selective": "selective"}
+GRAPH_CALLS = [0]  # runs of the graphs that counting_aot_eager compiled, over the cases of this process
 
 
 def make_model() -> tuple[torch.nn.Module, str]:
@@ -35,6 +38,22 @@ def make_model() -> tuple[torch.nn.Module, str]:
     except Exception:  # noqa: BLE001 - the model package is optional for these tests
         model = StandIn()
         return model, "stand-in"
+
+
+def counting_aot_eager(gm, example_inputs):
+    """torch.compile's aot_eager backend (eager numerics), counting the runs of the graphs it compiles."""
+    import functools
+
+    from torch._dynamo.backends.debugging import aot_eager
+
+    compiled = aot_eager(gm, example_inputs)
+
+    @functools.wraps(compiled)  # keeps its calling convention (`_boxed_call`)
+    def run(*args):
+        GRAPH_CALLS[0] += 1
+        return compiled(*args)
+
+    return run
 
 
 class StandIn(torch.nn.Module):
@@ -125,10 +144,12 @@ def run_case(
     w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = ds_config(stage, world, bf16)
     torch._dynamo.utils.counters.clear()  # cases run one after another in this process
-    if name.endswith("_blocks"):  # ZeRO 3 with leaf T5 blocks, each compiled (aot_eager: eager numerics)
+    graph_calls_before = GRAPH_CALLS[0]
+    if "_blocks" in name:  # ZeRO 3 with leaf T5 blocks, each compiled (aot_eager: eager numerics)
         from training.zero3_compile import prepare_for_zero3
 
-        prepare_for_zero3(model, "blocks", config, backend="aot_eager")
+        model.config.activation_checkpointing = ACTIVATION_CHECKPOINTING.get(name, "none")
+        prepare_for_zero3(model, "blocks", config, backend=counting_aot_eager)
     opt = build_optimizer(
         "adamwscale",
         model,
@@ -223,6 +244,7 @@ def run_case(
             engine_skipped=engine.skipped_steps,
             linear_replaced=linear_replaced,
             compiled_graphs=int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+            graph_calls_per_step=(GRAPH_CALLS[0] - graph_calls_before) / STEPS,
         ),
         os.path.join(out_dir, f"{name}.rank{rank}.pt"),
     )
@@ -288,6 +310,8 @@ def main() -> None:
         "zero2_resume": (2, False, True),
         "zero3_resume": (3, False, True),
         "zero3_blocks": (3, False, True),
+        "zero3_blocks_ckpt": (3, False, True),
+        "zero3_blocks_selective": (3, False, True),
         "zero1_naive": (1, False, False),
         "zero2_naive": (2, False, False),
         "zero3_naive": (3, False, False),
