@@ -10,7 +10,8 @@
 #   bash benchmarks/multi_gpu.sh large     # ZeRO 2 on 4 GPUs resumed as ZeRO 3 on 2; XL and XXL on
 #                                          # 4 GPUs with ZeRO 3 (LARGE, default "reshard xl xxl"; XL_BATCH,
 #                                          # XXL_BATCH: sequences per GPU, the next one tried if a
-#                                          # run fails; XXL_STEPS, XXL_LR)
+#                                          # run fails; XXL_STEPS, XXL_LR, XXL_CKPT: XXL's
+#                                          # model.activation_checkpointing)
 #
 # Environment: WIKI (jsonl.gz text, default .gpudata/wiki/*.jsonl.gz), WORK (shards, runs and the
 # compile cache, default ${TMPDIR:-/tmp}/t5ds_bench, outside the checkout), OUT (where the
@@ -69,7 +70,8 @@ large)
         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left)" python benchmarks/scaling.py --data "$DATA" \
           --config training/configs/t5_xxl_c4.yaml --gpus 4 --configs zero3 --per-gpu-batch "$batch" \
           --steps "${XXL_STEPS:-40}" --log-every 2 --out "$WORK/runs/xxl_$batch" --json "$OUT/large.jsonl" \
-          data.num_workers=4 ${XXL_LR:+optim.base_lr=$XXL_LR} | tee -a "$OUT/xxl.txt"
+          data.num_workers=4 ${XXL_LR:+optim.base_lr=$XXL_LR} ${XXL_CKPT:+model.activation_checkpointing=$XXL_CKPT} \
+          | tee -a "$OUT/xxl.txt"
         [ "${PIPESTATUS[0]}" = 0 ] && break
       done ;;
     *) echo "unknown job $job in LARGE: reshard, xl, xxl" >&2; exit 2 ;;
