@@ -187,7 +187,7 @@ class Denoiser:
 
 
 # UL2 (Tay et al. 2022): R-denoisers [NLU], X-denoisers [NLG], the S-denoiser (prefix LM) [S2S], in
-# the proportions of UL2's released mixture (as FAT5 trains it): R 33%, S 34%, X 33%, equal within R and X.
+# the proportions FAT5 pre-trains its UL2 mixture with: R 33%, S 34%, X 33%, equal within R and X.
 UL2_DENOISERS = (
     Denoiser("span", 0.15, 3.0, mode_token="[NLU]", weight=0.165, name="R_mu3_r0.15"),
     Denoiser("span", 0.15, 8.0, mode_token="[NLU]", weight=0.165, name="R_mu8_r0.15"),
