@@ -21,12 +21,12 @@ def evaluate_batches(engine, batches: list[dict], device: torch.device) -> dict:
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss*tokens, correct, tokens
     for batch in batches:
         labels = batch["labels"].to(device, non_blocking=True)
-        mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
+        input_mask = batch.get("attention_mask")  # padded inputs (denoising objectives)
         out = engine(input_ids=batch["input_ids"].to(device, non_blocking=True), labels=labels, return_logits=True,
-                     attention_mask=None if mask is None else mask.to(device, non_blocking=True))
-        mask = labels != -100
-        tokens = mask.sum()
-        correct = ((out.logits.argmax(dim=-1) == labels) & mask).sum()
+                     attention_mask=None if input_mask is None else input_mask.to(device, non_blocking=True))
+        targets = labels != -100
+        tokens = targets.sum()
+        correct = ((out.logits.argmax(dim=-1) == labels) & targets).sum()
         # A batch of padding only (validation split shorter than ranks x batch) has a NaN mean loss.
         loss_sum = torch.where(tokens > 0, out.loss.double() * tokens, torch.zeros((), dtype=torch.float64,
                                                                                   device=device))
