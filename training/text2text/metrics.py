@@ -128,9 +128,10 @@ def score_examples(predictions: Mapping[str, str], references: Mapping[str, Sequ
         width = max(len(references[i]) for i in ids)
         streams = [[references[i][k] if k < len(references[i]) else None for i in ids] for k in range(width)]
         corpus["bleu"] = round(sacrebleu.corpus_bleu([predictions[i] for i in ids], streams).score, 4)
-    truth, predicted = [references[i][0].strip() for i in ids], [predictions[i].strip() for i in ids]
-    if "mcc" in names:
-        corpus["mcc"] = round(100.0 * matthews_correlation(truth, predicted), 4)
-    if "class_f1" in names:
-        corpus["class_f1"] = round(100.0 * positive_class_f1(truth, predicted, labels[1]), 4)
+    if set(names) & set(CLASS_METRICS):  # each example's class: its first reference, its prediction
+        truth, predicted = [references[i][0].strip() for i in ids], [predictions[i].strip() for i in ids]
+        if "mcc" in names:
+            corpus["mcc"] = round(100.0 * matthews_correlation(truth, predicted), 4)
+        if "class_f1" in names:
+            corpus["class_f1"] = round(100.0 * positive_class_f1(truth, predicted, labels[1]), 4)
     return {n: corpus[n] for n in names}, per_example
