@@ -33,6 +33,7 @@ from training.model.attention import (
     dense_bias,
     relative_position_bucket,
 )
+from training.optim import AdamWScale
 
 # Small tiles, per class of attention where the GPU's differ per class (triton_attention.tile_class:
 # the kind, and whether the queries are short), with "short" at most 24 query rows so that the cases
@@ -360,6 +361,41 @@ def check_add_rms_norm() -> None:
                 _check(f"{tag}: dweight", dw, w_ref.grad, tol)
 
 
+def check_fused_adamw_scale() -> None:
+    """AdamWScale's update as one Triton launch (`fused=True`, training/optim/triton_adamw_scale.py)
+    against its foreach path, three steps: with and without the non-finite guard (a NaN in the second
+    step's gradients: skipped, the moments kept), clipping in the step, weight decay, and bf16
+    gradients beside fp32 ones (two launches). Tensors of one element, of a partial block and of
+    several blocks; after the first step every gradient is a new tensor, so the address table is
+    rebuilt."""
+    shapes = [(1,), (37, 5), (3000,), (2, 2100), (12,)]
+    for guard, clip, decay, bf16 in [(False, 0.0, 0.0, False), (True, 0.0, 0.1, False), (True, 0.5, 0.0, True),
+                                     (True, 0.5, 0.1, False)]:  # fmt: skip
+        results = []
+        for fused in (False, True):
+            torch.manual_seed(3)
+            params = [torch.nn.Parameter((0.1 * torch.randn(s)).to(torch.bfloat16 if bf16 and i % 2 else torch.float32))
+                      for i, s in enumerate(shapes)]  # fmt: skip
+            opt = AdamWScale(
+                params, lr=1e-2, weight_decay=decay, skip_nonfinite=guard, max_grad_norm=clip, fused=fused
+            )
+            for step in range(3):
+                for i, p in enumerate(params):
+                    p.grad = torch.randn(p.shape, dtype=p.dtype)
+                    if guard and step == 1 and i == 2:
+                        p.grad[7] = float("nan")
+                opt.step()
+            grads = [p.grad.float() for p in params]  # clipped in place (zero after a skipped step)
+            results.append(
+                [p.detach() for p in params] + [opt.state[p]["exp_avg_sq"] for p in params] + grads
+            )
+        tag = f"fused AdamWScale, guard {guard}, clip {clip}, decay {decay}" + (
+            ", bf16 tensors" if bf16 else ""
+        )
+        _check(f"{tag}: weights, moments, grads", torch.cat([t.float().reshape(-1) for t in results[1]]),
+               torch.cat([t.float().reshape(-1) for t in results[0]]), 2e-2 if bf16 else 1e-6)  # fmt: skip
+
+
 def check_decode_attention() -> None:
     """`triton_decode_attention` against the gather + math attention it replaces: one query per row
     over fixed-size caches, with and without beam search's history table, at the first, a middle
@@ -478,6 +514,7 @@ def main() -> None:
     check_model()
     check_decode_attention()
     check_generation()
+    check_fused_adamw_scale()
     print("ALL KERNEL CHECKS PASSED")
 
 

@@ -37,7 +37,7 @@ def test_a_users_cublas_setting_is_kept_or_refused_with_the_fix(monkeypatch):
 
 def _train_tiny_on_gpu(steps: int = 6, pdl: bool = True) -> list[torch.Tensor]:
     """Parameters after `steps` compiled bf16 training steps of a tiny T5 (fused attention and GELU
-    kernels, fused cross-entropy, compiled AdamWScale) from seed 0, compiled with the options training
+    kernels, fused cross-entropy, fused AdamWScale) from seed 0, compiled with the options training
     uses (`compile_options`: PDL unless `pdl` is False)."""
     from training.compile_settings import compile_options
     from training.model import T5Config, T5ForConditionalGeneration
@@ -46,7 +46,7 @@ def _train_tiny_on_gpu(steps: int = 6, pdl: bool = True) -> list[torch.Tensor]:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config.from_preset("tiny", attention_backend="triton", num_layers=3)).cuda()
-    optimizer = build_optimizer("adamwscale", model, lr=1e-2, weight_decay=0.0, compiled=True)
+    optimizer = build_optimizer("adamwscale", model, lr=1e-2, weight_decay=0.0, fused=True)
     ids = torch.randint(2, 32128, (16, 128), device="cuda")
     labels = torch.randint(2, 32128, (16, 32), device="cuda")
     loss_fn = torch.compile(lambda: model(ids, labels=labels, return_logits=False).loss, fullgraph=True,

@@ -17,6 +17,7 @@ from training.compile_settings import (
     compile_forward,
     compile_options,
 )
+from training.config import ConfigError
 from training.config_loader import load_run_config
 from training.ds_config import load_ds_config
 from training.run_dir import RunDir
@@ -128,31 +129,51 @@ def test_first_step_record_and_line_say_what_the_compile_cache_did(monkeypatch, 
     assert ("compile cache" in caplog.text) == bool(outcomes)
 
 
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_zero3_blocks_compile_with_the_model_inductor_options(monkeypatch, backend):
-    """Each T5 block compiled for ZeRO 3 gets the options the whole-model compile runs with but PDL
-    (with inductor; other backends take none), and the compiled forward is what a training call runs."""
+@pytest.mark.parametrize("scope", ["zero3", "blocks", "model"])
+def test_each_compile_scope_compiles_what_it_says_with_the_model_inductor_options(monkeypatch, scope):
+    """ZeRO 3's blocks: each T5 block and the final norms, the loss eager, with the options of the
+    whole-model compile but PDL (measured only without DeepSpeed's gathers between the blocks);
+    `model.compile_scope=blocks` at ZeRO 0-2: the blocks, the norms and the loss, PDL on where torch
+    has it; `model`: the whole forward. A training call runs the compiled block."""
+    from training.compile_settings import compile_model
     from training.model.config import T5Config
     from training.model.t5 import T5ForConditionalGeneration
-    from training.zero3_compile import _compiled_block_forward
+    from training.zero3_compile import block_compile_options
 
     calls = []
 
     def fake_compile(fn, **kwargs):
-        calls.append(kwargs)
+        calls.append((getattr(fn, "__name__", ""), kwargs))
         return lambda *args: ("compiled", fn(*args))
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    block = T5ForConditionalGeneration(T5Config.from_preset("tiny")).encoder.block[1]
-    forward = _compiled_block_forward(block, backend)
-    assert len(calls) == 1 and calls[0]["fullgraph"] is True and calls[0]["backend"] == backend
-    if backend == "inductor":
-        assert calls[0]["options"].items() >= MODEL_INDUCTOR_OPTIONS.items()
-        assert not calls[0]["options"].get(INDUCTOR_PDL_OPTION, False)  # PDL: measured on ZeRO 0-2's graph only
+    model = T5ForConditionalGeneration(T5Config.from_preset("tiny"))
+    if scope == "zero3":
+        assert model.compile_blocks(options=block_compile_options("inductor"), loss=False) == 4
+        assert block_compile_options("aot_eager") is None
     else:
-        assert calls[0]["options"] is None
+        compile_model(model, scope)
+    names = [name for name, _ in calls]
+    if scope == "model":
+        assert names == ["forward"] and calls[0][1]["fullgraph"] is True
+        return
+    assert names.count("forward") == 4 and names.count("rms_norm") == 1
+    assert names.count("fused_linear_cross_entropy") == (scope == "blocks")
+    for name, kwargs in calls:
+        if name == "rms_norm":
+            continue
+        assert kwargs["fullgraph"] is True and kwargs["options"].items() >= MODEL_INDUCTOR_OPTIONS.items()
+        pdl = kwargs["options"].get(INDUCTOR_PDL_OPTION)
+        assert pdl is None or pdl is (scope == "blocks")
+    block = model.encoder.block[1]
     h = torch.randn(2, 5, block.layer[0].SelfAttention.q.in_features)
-    assert forward(h, None, None)[0] == "compiled"
+    assert block(h, None, None)[0] == "compiled"
+
+
+def test_compile_scope_blocks_takes_the_default_mode_only():
+    with pytest.raises(ConfigError, match="model.compile_mode=default"):
+        load_run_config(None, ["model.compile_scope=blocks", "model.compile_mode=reduce-overhead"])
+    assert load_run_config(None, ["model.compile_scope=blocks"]).model.compile_scope == "blocks"
 
 
 def test_a_compile_mode_under_zero3_is_refused_before_the_engine_starts(tmp_path):

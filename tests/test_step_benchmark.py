@@ -9,7 +9,7 @@ import pytest
 import torch
 
 ARGS = argparse.Namespace(attention="triton", compile=True, fused_ce=True, batch_size=128, compile_mode="",
-                          optimizer_compiled=True, residual_dtype="float32")  # fmt: skip
+                          optimizer_fused=True, residual_dtype="float32")  # fmt: skip
 
 
 def test_variant_items_parse():
@@ -22,17 +22,17 @@ def test_variant_items_parse():
                       "deterministic,regional,quackffn,objective=ul2,vocab=250112,bias=row,ckpt=block,hf", ARGS)  # fmt: skip
     assert parse_variant("hf", ARGS)["fused_ce"] is False
     assert v == dict(attention="sdpa", compile=False, fused_ce=False, batch_size=256, mode="max-autotune",
-                     opt_compiled=False, residual_dtype="autocast", clip_in_step=False, deterministic=True,
+                     opt_fused=False, residual_dtype="autocast", clip_in_step=False, deterministic=True,
                      regional=True, quack_ffn=True, objective="ul2", vocab_size=250112, bias_layout="row",
                      checkpointing="block", hf=True)  # fmt: skip
     default = parse_variant("", ARGS)
     assert default == dict(attention="triton", compile=True, fused_ce=True, batch_size=128, mode="",
-                           opt_compiled=True, residual_dtype="float32", clip_in_step=True, deterministic=False,
+                           opt_fused=True, residual_dtype="float32", clip_in_step=True, deterministic=False,
                            regional=False, quack_ffn=False, objective="span_corruption", vocab_size=32128,
                            bias_layout="auto", checkpointing="none", hf=False)  # fmt: skip
     assert parse_variant("math", ARGS)["attention"] == "math"
     for pair, field, value in (("nocompile,compile", "compile", True), ("nofusedce,fusedce", "fused_ce", True),
-                               ("opteager,optcompiled", "opt_compiled", True),
+                               ("opteager,optfused", "opt_fused", True),
                                ("bf16residual,fp32residual", "residual_dtype", "float32"),
                                ("clipbefore,clipinstep", "clip_in_step", True),
                                ("regional,wholemodel", "regional", False),
@@ -81,14 +81,13 @@ def test_objective_variant_times_a_real_batch_of_the_objective():
     assert 0 < (batch["labels"] == -100).mean() < 0.8 and len(set(batch["denoiser"].tolist())) > 3
 
 
-def test_regional_compile_variant_keeps_loss_and_gradients():
-    """The `regional` variant (each block, the final norms and the loss compiled on their own;
-    inductor on CPU here) gives eager's loss and gradients, and `run_variant` puts the model module's
-    loss back afterwards, also when the run fails."""
-    from training import benchmark as bench
-    from training.model import T5Config, T5ForConditionalGeneration, t5
+def test_regional_compile_keeps_loss_and_gradients():
+    """`compile_blocks` (the benchmark's `regional` variant and `model.compile_scope=blocks`: each
+    block, the final norms and the loss compiled on their own; inductor on CPU here) gives eager's
+    loss and gradients, and leaves the model's class as it was."""
+    from training.model import T5Config, T5ForConditionalGeneration
+    from training.model.cross_entropy import fused_linear_cross_entropy
 
-    original = t5.fused_linear_cross_entropy
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -96,27 +95,16 @@ def test_regional_compile_variant_keeps_loss_and_gradients():
     eager, regional = models
     x, y = torch.randint(0, 100, (2, 12)), torch.randint(0, 100, (2, 5))
     losses = []
-
-    def fake_run(variant, args, device):
-        bench._compile_regions(regional, {})
-        assert t5.fused_linear_cross_entropy is not original
+    try:
+        assert regional.compile_blocks() == 4
         assert all("forward" in vars(block) for block in (*regional.encoder.block, *regional.decoder.block))
+        assert "loss_fn" in vars(regional) and T5ForConditionalGeneration.loss_fn is fused_linear_cross_entropy
         for model in (eager, regional):
             loss = model(input_ids=x, labels=y, return_logits=False).loss
             loss.backward()
             losses.append(loss.detach())
-        raise RuntimeError("out of memory")
-
-    try:
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(bench, "_run_variant", fake_run)
-            with pytest.raises(RuntimeError, match="out of memory"):
-                bench.run_variant(bench.parse_variant("regional", ARGS), ARGS, torch.device("cpu"))
-        assert t5.fused_linear_cross_entropy is original
     finally:
         torch._dynamo.reset()
-        t5.fused_linear_cross_entropy = original
-    assert len(losses) == 2
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
     for (name, a), b in zip(eager.named_parameters(), regional.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5 * float(a.grad.abs().max()), msg=name)

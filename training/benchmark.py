@@ -14,16 +14,15 @@ the step's graphs (hit: a process before this one compiled the same code).
     python -m training.benchmark --trace step.json && python tools/trace_gaps.py step.json
 
 A variant is a comma list of: an attention backend (triton|sdpa|math), compile|nocompile,
-fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), optcompiled|opteager (AdamWScale's update
-compiled or foreach kernels, as the run config's optim.compile), clipinstep|clipbefore (AdamWScale
-clips the gradients inside its step, as training runs at ZeRO 0 do, or torch's clip_grad_norm_ runs
-before the step; training/grad_clip.py), bf16residual|fp32residual (T5Config.residual_dtype
+fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), optfused|opteager (AdamWScale's update as
+one Triton kernel or torch's foreach kernels, as the run config's optim.compile), clipinstep|
+clipbefore (AdamWScale clips the gradients inside its step, as training runs at ZeRO 0 do, or torch's
+clip_grad_norm_ runs before the step; training/grad_clip.py), bf16residual|fp32residual (T5Config.residual_dtype
 "autocast" or "float32"), quackffn|cublasffn (T5Config.ffn_kernel "quack": the gated FFN's GELU in
 the epilogues of QuACK's GEMMs, needs quack-kernels and sm90+; or "default": cuBLAS GEMMs and our
 GELU kernels), deterministic (training/determinism.py, as the run config's `deterministic`),
 regional|wholemodel (torch.compile each T5 block, the final norms and the loss on their own, as
-ZeRO 3's `model.zero3_compile=blocks` does, or the whole step as one graph as training does at ZeRO
-0-2), objective=ul2|prefix_lm (one batch of that objective, training/data/objectives.py, from random
+training does with `model.compile_scope=blocks`, or the whole step as one graph, the default), objective=ul2|prefix_lm (one batch of that objective, training/data/objectives.py, from random
 raw tokens at --input-length: its padded targets and attention mask; tokens/s and FLOPs count the real
 lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's), bias=auto|dense|row
 (T5Config.attention_bias_layout), ckpt=none|block|selective (T5Config.activation_checkpointing), hf
@@ -52,22 +51,21 @@ from training.config import DataConfig
 from training.data.objectives import build_objective
 from training.determinism import set_deterministic
 from training.grad_clip import GradClip
-from training.model import T5Config, T5ForConditionalGeneration, quack_ffn, t5
+from training.model import T5Config, T5ForConditionalGeneration, quack_ffn
 from training.model.config import RESIDUAL_DTYPES
 from training.model.flops import measure_matmul_tflops, model_flops_per_step, samples_flops_per_step
-from training.zero3_compile import _compiled_block_forward
 
 ATTENTION_BACKENDS = ("triton", "sdpa", "math")
 
 
-def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, name: str, fused: bool = False) -> torch.optim.Optimizer:
     if name == "adamwscale":
         try:
             from training.optim import build_optimizer as build
         except ImportError:  # the optimizer package is not there: fall back, say so in the output
             name = "adamw"
         else:
-            return build("adamwscale", model, lr=2e-2, weight_decay=0.0, compiled=compiled)
+            return build("adamwscale", model, lr=2e-2, weight_decay=0.0, fused=fused)
     return torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.0, fused=True)
 
 
@@ -75,7 +73,7 @@ def build_optimizer(model: torch.nn.Module, name: str, compiled: bool = False) -
 _SWITCHES = {
     "compile": ("compile", True), "nocompile": ("compile", False),
     "fusedce": ("fused_ce", True), "nofusedce": ("fused_ce", False),
-    "optcompiled": ("opt_compiled", True), "opteager": ("opt_compiled", False),
+    "optfused": ("opt_fused", True), "opteager": ("opt_fused", False),
     "clipinstep": ("clip_in_step", True), "clipbefore": ("clip_in_step", False),
     "bf16residual": ("residual_dtype", "autocast"), "fp32residual": ("residual_dtype", "float32"),
     "quackffn": ("quack_ffn", True), "cublasffn": ("quack_ffn", False),
@@ -91,7 +89,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
     """The variant `spec` (see the module docstring) on top of the command line's settings."""
     variant = dict(
         attention=args.attention, compile=args.compile, fused_ce=args.fused_ce, batch_size=args.batch_size,
-        mode=args.compile_mode, opt_compiled=args.optimizer_compiled, residual_dtype=args.residual_dtype,
+        mode=args.compile_mode, opt_fused=args.optimizer_fused, residual_dtype=args.residual_dtype,
         clip_in_step=True, deterministic=False, regional=False, quack_ffn=False, objective="span_corruption",
         vocab_size=T5Config.vocab_size, bias_layout=T5Config.attention_bias_layout, checkpointing="none", hf=False,
     )  # fmt: skip
@@ -114,7 +112,7 @@ def parse_variant(spec: str, args: argparse.Namespace) -> dict:
 def variant_label(v: dict) -> str:
     """The table row's first column: the attention backend and every kernel/optimizer/dtype choice
     that differs from the default path."""
-    notes = ["opt compiled"] if v["opt_compiled"] else []
+    notes = [] if v["opt_fused"] else ["opt foreach"]
     notes += ["bf16 residual"] if v["residual_dtype"] == "autocast" else []
     notes += [] if v["clip_in_step"] else ["clip before step"]
     notes += ["deterministic"] if v["deterministic"] else []
@@ -128,16 +126,13 @@ def variant_label(v: dict) -> str:
 
 
 def run_variant(variant: dict, args: argparse.Namespace, device: torch.device) -> dict:
-    """One variant's figures. The `regional` compile swaps a compiled loss into the model's module; it
-    is put back afterwards, also when the run fails."""
-    loss_fn = t5.fused_linear_cross_entropy
+    """One variant's figures."""
     # Per variant, so after the matmul ceiling's first cuBLAS call (set_deterministic asks for before):
     # cuBLAS keeps the workspace it started with, and two deterministic runs are bit-identical anyway.
     set_deterministic(variant["deterministic"])
     try:
         return _run_variant(variant, args, device)
     finally:
-        t5.fused_linear_cross_entropy = loss_fn
         set_deterministic(False)
 
 
@@ -150,7 +145,7 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     torch.manual_seed(0)
     model = hf_model(config) if variant["hf"] else T5ForConditionalGeneration(config)
     model = model.to(device)
-    optimizer = build_optimizer(model, args.optimizer, variant["opt_compiled"])
+    optimizer = build_optimizer(model, args.optimizer, variant["opt_fused"])
     bs, src, tgt = variant["batch_size"], args.input_length, args.target_length
     input_ids = torch.randint(2, config.vocab_size, (bs, src), device=device)
     labels = torch.randint(2, config.vocab_size, (bs, tgt), device=device)
@@ -171,7 +166,7 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     # as training compiles the model
     options = compile_options(variant["mode"] or "default") if variant["compile"] else None
     if variant["compile"] and variant["regional"]:
-        _compile_regions(model, options)
+        model.compile_blocks(options=options)
     elif variant["compile"]:
         loss_fn = torch.compile(loss_fn, fullgraph=args.fullgraph, options=options)
 
@@ -270,21 +265,6 @@ def objective_batch(name: str, batch_size: int, input_length: int) -> dict:
     return objective.make(rows, np.arange(batch_size), seed=0, stream=0)
 
 
-def _compile_regions(model: torch.nn.Module, options: dict) -> None:
-    """Regional compilation (variant `regional`): each T5 block compiled on its own, as ZeRO 3's
-    `model.zero3_compile=blocks` does (the blocks of a stack share their graphs), the final norms and
-    the fused cross-entropy too; the embeddings and the bias lookup stay eager. Fewer, smaller graphs
-    to compile than the whole model's, and no fusion across their borders. The blocks take the options
-    ZeRO 3 compiles them with, the loss `options`."""
-    norm = torch.compile(t5.rms_norm)
-    for stack in (model.encoder, model.decoder):
-        stack.final_layer_norm.norm_fn = norm
-        for block in stack.block:
-            block.forward = _compiled_block_forward(block, "inductor")
-    # the model looks the loss up in its module's namespace on each call (run_variant puts it back)
-    t5.fused_linear_cross_entropy = torch.compile(t5.fused_linear_cross_entropy, fullgraph=True, options=options)
-
-
 def _cache_outcome(result: dict) -> str:
     """' (hit)', ' (miss, bypass)', ...: what AOTAutograd's cache did for the first step's compile."""
     return f" ({', '.join(result['compile_cache'])})" if result["compile_cache"] else ""
@@ -305,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", default="adamwscale", choices=["adamwscale", "adamw"])
     parser.add_argument("--residual-dtype", default="float32", choices=RESIDUAL_DTYPES,
                         help="T5Config.residual_dtype (autocast: bf16 hidden states between blocks)")  # fmt: skip
-    parser.add_argument("--optimizer-compiled", action=argparse.BooleanOptionalAction, default=True,
-                        help="AdamWScale(compiled=True), as the run config's optim.compile")  # fmt: skip
+    parser.add_argument("--optimizer-fused", action=argparse.BooleanOptionalAction, default=True,
+                        help="AdamWScale(fused=True), as the run config's optim.compile")  # fmt: skip
     parser.add_argument("--steps", type=int, default=15, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", default="", help="';'-separated variant specs (see module doc)")

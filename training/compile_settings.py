@@ -1,5 +1,5 @@
-"""How the model is compiled: torch.compile's options for it, the whole-forward compile of ZeRO 0-2,
-and what AOTAutograd's compile cache did for the first step.
+"""How the model is compiled: torch.compile's options for it, the compile of ZeRO 0-2 (the whole
+forward, or block by block), and what AOTAutograd's compile cache did for the first step.
 
 training/run_setup.py compiles the forward with `compile_forward`; training/zero3_compile.py compiles
 the T5 blocks under ZeRO 3 with the same `compile_options` (less PDL); the step benchmark
@@ -56,6 +56,16 @@ def compile_forward(model: torch.nn.Module, mode: str = "default") -> None:
     slowdown), in torch.compile's `mode` (with `compile_options`); DeepSpeed's module hooks stay
     outside it. Parameter names are unchanged."""
     model.forward = torch.compile(model.forward, fullgraph=True, options=compile_options(mode))
+
+
+def compile_model(model: torch.nn.Module, scope: str = "model", mode: str = "default") -> None:
+    """Compile `model` (a T5ForConditionalGeneration) for ZeRO 0-2 as `model.compile_scope` says: its
+    whole forward (`compile_forward`), or each block, the final norms and the loss on their own
+    (`compile_blocks`, torch.compile's default mode), with `compile_options`."""
+    if scope == "blocks":
+        model.compile_blocks(options=compile_options(mode))
+    else:
+        compile_forward(model, mode)
 
 
 def compile_cache_dir(setting: str | None, run_cache: Path) -> Path | None:

@@ -29,6 +29,7 @@ FFN_KERNELS = ("default", "quack")
 ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
 ATTENTION_BIAS_LAYOUTS = ("auto", "dense", "row")
 ZERO3_COMPILE_MODES = ("blocks", "pointwise")  # training.zero3_compile
+COMPILE_SCOPES = ("model", "blocks")  # model.compile_scope at ZeRO 0-2
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")  # torch.compile
 DEVICES = ("auto", "cuda", "cpu")
 PRECISIONS = ("bf16", "fp32")
@@ -93,6 +94,11 @@ class ModelConfig:
     """torch.compile the model's forward. Ignored on CPU (compilation there costs more than it saves);
     under ZeRO 3 `zero3_compile` says what is compiled (DeepSpeed gathers the parameters in module
     hooks that a whole compiled forward would skip)."""
+    compile_scope: str = "model"
+    """What `compile` compiles at ZeRO 0-2: model (the whole forward as one graph: the fastest step) |
+    blocks (each T5 block, the final norms and the loss on their own: the blocks of a stack share
+    their compiled code, so the first step comes 2-3x sooner, and the step is ~4% slower; for short
+    runs, docs/performance.md). ZeRO 3 takes `zero3_compile` instead."""
     compile_mode: str = "default"
     """torch.compile mode of the forward (ZeRO 0-2): default | reduce-overhead (CUDA graphs) |
     max-autotune-no-cudagraphs | max-autotune. T5 base on an H100: reduce-overhead runs at the
@@ -129,6 +135,10 @@ class ModelConfig:
         _check_choice("model.attention_bias_layout", self.attention_bias_layout, ATTENTION_BIAS_LAYOUTS)
         _check_choice("model.zero3_compile", self.zero3_compile, ZERO3_COMPILE_MODES)
         _check_choice("model.compile_mode", self.compile_mode, COMPILE_MODES)
+        _check_choice("model.compile_scope", self.compile_scope, COMPILE_SCOPES)
+        _check(self.compile_scope == "model" or self.compile_mode == "default",
+               f"model.compile_scope=blocks compiles with torch.compile's default mode: set model.compile_mode=default "
+               f"(it is {self.compile_mode}) or model.compile_scope=model")
         _check(
             self.init_from is None or bool(self.init_from),
             "model.init_from must be a path or null",
@@ -325,8 +335,9 @@ class OptimConfig:
     max_nonfinite_steps: int = 10
     """Stop the run after this many consecutive skipped (non-finite loss or gradient) updates."""
     compile: bool = True
-    """torch.compile adamwscale's update of the model's tensors into a few fused kernels (CUDA only;
-    ignored on CPU, for the other optimizers and for DeepSpeed's flat partitions). Same arithmetic."""
+    """Run adamwscale's update of the model's tensors as one compiled Triton kernel instead of torch's
+    foreach kernels (CUDA only; ignored on CPU, for the other optimizers and for DeepSpeed's flat
+    partitions). Same arithmetic, rounded once per stored value."""
 
     def __post_init__(self) -> None:
         _check_choice("optim.name", self.name, OPTIMIZERS)

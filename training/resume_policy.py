@@ -51,6 +51,7 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "model.attention_bias_layout": (APPLIES, "the same attention, with the bias read from its row or expanded"),
     "model.compile": (APPLIES, "how the same model is run"),
     "model.compile_mode": (APPLIES, "how the same model is run"),
+    "model.compile_scope": (APPLIES, "how the same model is run"),
     "model.zero3_compile": (APPLIES, "how the same model is run"),
     "model.compile_cache": (APPLIES, "where compiled code is kept; a new place compiles again"),
     "task.kind": (REFUSED, "the examples whose order the step count indexes are the task's"),
@@ -92,7 +93,7 @@ RESUME_RULES: dict[str, tuple[bool, str]] = {
     "optim.betas": (APPLIES, "from the resume step on (the moments are kept)"),
     "optim.eps": (APPLIES, "from the resume step on"),
     "optim.max_nonfinite_steps": (APPLIES, "from the resume step on"),
-    "optim.compile": (APPLIES, "the same update, compiled or not"),
+    "optim.compile": (APPLIES, "the same update, one kernel or foreach"),
     "budget.hours": (APPLIES, "the time already spent counts against it"),
 }
 _ALWAYS_APPLIES = ("eval.", "checkpoint.", "logging.")  # every key of these sections applies at once

@@ -20,7 +20,7 @@ from training.budget import Horizon
 from training.checkpoint import CheckpointManager
 from training.checkpoint_weights import load_run_model
 from training.cli_errors import ExpectedError, ReportedByAnotherRank, expected_errors
-from training.compile_settings import compile_forward, use_compile_cache
+from training.compile_settings import compile_model, use_compile_cache
 from training.determinism import set_deterministic
 from training.distributed import control_group, init_distributed, shutdown_distributed
 from training.ds_config import zero_stage
@@ -89,8 +89,8 @@ def build_optimizer_and_schedule(cfg, model: torch.nn.Module, horizon: Horizon):
     """The run's optimizer (by name) and a LambdaLR whose horizon can be re-fitted to a time budget."""
     o = cfg.optim
     kw = {}
-    if o.name == "adamwscale":  # its compiled update pays on a GPU; on CPU inductor costs more than it saves
-        kw["compiled"] = o.compile and next(model.parameters()).device.type == "cuda"
+    if o.name == "adamwscale":  # its fused update is a Triton kernel: CUDA tensors only
+        kw["fused"] = o.compile and next(model.parameters()).device.type == "cuda"
     optimizer = build_optimizer(o.name, model, lr=o.base_lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
                                 eps=o.eps, **kw)
 
@@ -126,7 +126,7 @@ def start_engine(cfg, model: torch.nn.Module, optimizer, scheduler, ds_config: d
     if cfg.model.compile and device.type == "cuda":
         use_compile_cache(cfg.model.compile_cache, run_dir.compile_cache)
         if stage < 3:
-            compile_forward(model, cfg.model.compile_mode)
+            compile_model(model, cfg.model.compile_scope, cfg.model.compile_mode)
         else:
             # ZeRO 3 gathers parameters in module hooks that a whole compiled forward would skip:
             # compile block by block, or only the element-wise parts (training/zero3_compile.py).

@@ -33,7 +33,6 @@ import torch
 
 from training.compile_settings import compile_options
 from training.model.t5 import T5Block
-from training.model.triton_add_norm import rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -60,39 +59,18 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
     if original_linear is not None:  # an earlier engine in this process replaced F.linear: undo it
         torch.nn.functional.linear = original_linear
     set_z3_leaf_modules(model, [T5Block])
-    # Every block shares one code object (T5Block.forward), so dynamo's recompile limit counts the
-    # variants of all of them together: {encoder, decoder} x {train, no_grad} x {with, without key
-    # mask} x {static, dynamic lengths} = 16 at most. 32 leaves room and still stops a per-block
-    # recompile (48 blocks in XL) early, as the ds_id guard above would cause.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    norm = torch.compile(rms_norm, backend=backend)
-    compiled = 0
     for stack in (model.encoder, model.decoder):
         # The stack computes its relative bias from block 0's table before any block runs; block 0 is
         # a leaf now (no hook on the table's own module), so the stack's hook gathers the table.
         register_external_parameter(stack, stack.bias_table.weight)
-        stack.final_layer_norm.norm_fn = norm
-        for block in stack.block:
-            block.forward = _compiled_block_forward(block, backend)
-            compiled += 1
+    compiled = model.compile_blocks(backend=backend, options=block_compile_options(backend), loss=False)
     logger.info("ZeRO 3: %d T5 blocks are leaf modules (one all-gather per block) and compiled one by one",
                 compiled)
     return compiled
 
 
-def _compiled_block_forward(block: torch.nn.Module, backend: str):
-    eager = block.forward
-    # Inductor gets the settings the whole-model compile runs with (training.compile_settings), less
-    # PDL: between the blocks run DeepSpeed's gathers on their own streams, and PDL is measured only on
-    # the ZeRO 0-2 whole-model graph. Other backends (tests use "aot_eager") take no inductor options.
-    options = compile_options(pdl=False) if backend == "inductor" else None
-    compiled = torch.compile(eager, fullgraph=True, backend=backend, options=options)
-
-    def forward(
-        h, bias, key_mask, encoder_hidden_states=None, encoder_key_mask=None, cache=None, pending=None
-    ):
-        # A cache grows by one position per decoding step: each length would be a new graph.
-        fn = eager if cache is not None else compiled
-        return fn(h, bias, key_mask, encoder_hidden_states, encoder_key_mask, cache, pending)
-
-    return forward
+def block_compile_options(backend: str) -> dict | None:
+    """Inductor's settings for the blocks under ZeRO 3: those of the whole-model compile
+    (training.compile_settings) less PDL: between the blocks run DeepSpeed's gathers on their own
+    streams, and PDL is measured only where none run (ZeRO 0-2). Other backends (tests use "aot_eager") take none."""
+    return compile_options(pdl=False) if backend == "inductor" else None

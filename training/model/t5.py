@@ -429,6 +429,8 @@ class T5Stack(nn.Module):
 class T5ForConditionalGeneration(nn.Module):
     """T5 encoder-decoder with an LM head; parameter names are those of HF checkpoints."""
 
+    loss_fn = staticmethod(fused_linear_cross_entropy)  # compile_blocks() sets a compiled copy on the instance
+
     def __init__(self, config: T5Config) -> None:
         super().__init__()
         self.config = config
@@ -479,6 +481,30 @@ class T5ForConditionalGeneration(nn.Module):
             elif isinstance(m, T5DenseGatedActDense):
                 m.act_fn = act
 
+    def compile_blocks(self, *, backend: str = "inductor", options: dict | None = None, loss: bool = True) -> int:
+        """torch.compile each T5 block's forward on its own (fullgraph), the final RMS norms and, with
+        `loss`, the fused linear cross-entropy; the embeddings and the relative bias stay eager. The
+        blocks of a stack share one code object, so dynamo traces and inductor compiles each kind of
+        block once, not once per layer: the first step comes sooner than with the whole forward
+        compiled, and the step is slower (no fusion across the blocks' borders; docs/performance.md).
+        `model.compile_scope=blocks` at ZeRO 0-2 and ZeRO 3's `model.zero3_compile=blocks`
+        (training/zero3_compile.py, without the loss). `options`: inductor's (training.compile_settings);
+        tests use backend "aot_eager" (options None). Returns the number of blocks compiled."""
+        # The variants of all blocks count against one recompile limit: {encoder, decoder} x {train,
+        # no_grad} x {with, without key mask} x {static, dynamic lengths} = 16 at most. 32 leaves room
+        # and still stops a per-block recompile (48 blocks in XL) early.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        norm = torch.compile(rms_norm, backend=backend)
+        blocks = 0
+        for stack in (self.encoder, self.decoder):
+            stack.final_layer_norm.norm_fn = norm
+            for block in stack.block:
+                block.forward = _compiled_block_forward(block, backend, options)
+                blocks += 1
+        if loss:
+            self.loss_fn = torch.compile(fused_linear_cross_entropy, fullgraph=True, backend=backend, options=options)
+        return blocks
+
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied lm_head counts once)."""
         return sum(p.numel() for p in self.parameters())
@@ -521,7 +547,7 @@ class T5ForConditionalGeneration(nn.Module):
         )
         dec = self.head_input(dec)
         if not return_logits and labels is not None:
-            loss = fused_linear_cross_entropy(dec, self.lm_head.weight, labels)
+            loss = self.loss_fn(dec, self.lm_head.weight, labels)
             return Seq2SeqOutput(loss=loss, logits=None)
         logits = self.lm_head(dec).float()
         loss = None
@@ -561,3 +587,17 @@ class T5ForConditionalGeneration(nn.Module):
         return beam_search_generate(
             self, input_ids, attention_mask, max_new_tokens, num_beams, length_penalty, cuda_graph
         )
+
+
+def _compiled_block_forward(block: nn.Module, backend: str, options: dict | None):
+    """`block.forward` compiled (fullgraph) for `T5ForConditionalGeneration.compile_blocks`; decoding
+    with a key/value cache runs the eager forward (a cache grows by one position per step: each length
+    would be a new graph)."""
+    eager = block.forward
+    compiled = torch.compile(eager, fullgraph=True, backend=backend, options=options)
+
+    def forward(h, bias, key_mask, encoder_hidden_states=None, encoder_key_mask=None, cache=None, pending=None):
+        fn = eager if cache is not None else compiled
+        return fn(h, bias, key_mask, encoder_hidden_states, encoder_key_mask, cache, pending)
+
+    return forward

@@ -13,8 +13,10 @@ Reference: nanoT5 `nanoT5/utils/copied_utils.py`, class `AdamWScale` (PiotrNawro
 
 Two execution paths, both without a per-tensor Python loop on the arithmetic:
 
-- model tensors (plain PyTorch, DeepSpeed ZeRO 0 in fp32/torch_autocast): `torch._foreach_*` over
-  the group's tensors, `_foreach_norm` for the RMS, the per-tensor step sizes as device tensors;
+- model tensors (plain PyTorch, DeepSpeed ZeRO 0 in fp32/torch_autocast): `_foreach_norm` for the
+  RMS, then either one Triton kernel launch over all the group's tensors (`fused=True`,
+  training/optim/triton_adamw_scale.py: every element read and written once) or `torch._foreach_*`
+  kernels, the per-tensor step sizes as device tensors;
 - DeepSpeed flat partitions with a bound `FlatLayout` (ZeRO 1/2/3, bf16 optimizer): per-segment sums
   of squares with one `segment_reduce`, one all-reduce of the per-tensor sums over the partition
   group, then a per-element step size with `repeat_interleave` over the segments.
@@ -23,8 +25,8 @@ Gradient clipping can run inside the step (`max_grad_norm > 0`, model tensors on
 training/grad_clip.py hands it over): the global L2 norm of all gradients is read once, its
 finiteness is the guard's flag (a sum of squares is inf or nan when any entry is, so no second read
 for the guard), and the clipping factor min(1, max_grad_norm / (norm + 1e-6)), torch's and
-DeepSpeed's, scales the gradients in the same pass as the moment updates (one fused kernel when
-compiled) instead of a separate read and write of every gradient before the step. A norm whose
+DeepSpeed's, scales the gradients in the same pass as the moment updates (in the fused kernel)
+instead of a separate read and write of every gradient before the step. A norm whose
 squares overflow float32 (an entry above ~1e19) counts as non-finite: the step is skipped.
 
 Neither path reads a value on the host, so the step never waits for the GPU: the non-finite guard
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training.optim import triton_adamw_scale
 from training.optim.partition_aware import PartitionAwareMixin, collective_device
 from training.optim.zero_layout import FlatLayout
 
@@ -56,8 +59,9 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
     unbound_flat_params: "error" (default) raises when DeepSpeed handed flat partitions and
     `bind_zero_layout` was not called; "treat_as_tensor" takes each flat partition as one tensor
     (the naive, WRONG behaviour; exists only so tests can show the layout matters).
-    compiled: run the model-tensor path (moments, RMS, update, decay) as one `torch.compile` graph
-    (same arithmetic; its per-step scalars are device tensors, so a changing lr does not recompile).
+    fused: run the model-tensor path (moments, update, decay) as one Triton kernel launch per dtype
+    combination where `triton_adamw_scale.supports` the tensors (CUDA, contiguous), else the foreach
+    kernels; the same arithmetic in fp32, rounded once per stored value.
     max_grad_norm: clip the gradients to this global L2 norm inside the step (0: no clipping); see
     the module docstring. The norm before clipping of the last step is `last_grad_norm` (a device
     tensor). Model tensors only: with DeepSpeed's flat partitions (ZeRO 1-3) DeepSpeed clips.
@@ -77,7 +81,7 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         skip_nonfinite: bool = True,
         guard_group: Any = None,
         unbound_flat_params: str = "error",
-        compiled: bool = False,
+        fused: bool = False,
         max_grad_norm: float = 0.0,
     ):
         if lr < 0.0:
@@ -95,10 +99,10 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         self._init_partition_aware(skip_nonfinite, guard_group)
         self._numel_cache: dict[tuple, torch.Tensor] = {}  # (param ids, device) -> element counts
         self.needs_tensor_layout = unbound_flat_params == "error"
-        # compiled: the model-tensor path as one torch.compile graph (inductor fuses the ~10 passes of
-        # foreach kernels over the optimizer state into a few); flat partitions stay eager.
-        self.compiled = compiled
-        self._plain_update = torch.compile(_plain_update, dynamic=False) if compiled else _plain_update
+        # fused: the model-tensor path as one kernel (the foreach path reads the optimizer state in
+        # ~10 passes); flat partitions stay on torch's kernels.
+        self.fused = fused
+        self._tables = triton_adamw_scale.TensorTables()
         self.max_grad_norm = float(max_grad_norm)
         self.last_grad_norm: torch.Tensor | None = None  # the global norm before clipping, last step
 
@@ -206,15 +210,19 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
     def _update_tensors(self, group: dict, params, group_states, base: list[float], ok, clip_scale) -> None:
         device = params[0].device
         decay = -group["lr"] * group["weight_decay"]
-        if self.compiled:  # per-step values as device tensors: the graph is built once
-            scalars = _as_device_tensor(base + [decay], device)
-            base_t, decay_t = scalars[:-1], scalars[-1]
-        else:
-            base_t, decay_t = _as_factor(base, device), decay
         beta1, beta2 = group["betas"]
-        self._plain_update(
-            params, [p.grad for p in params], [s["exp_avg"] for s in group_states],
-            [s["exp_avg_sq"] for s in group_states], self._numels(params, device), base_t, decay_t, ok,
+        grads = [p.grad for p in params]
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in group_states], [s["exp_avg_sq"] for s in group_states]
+        if self.fused and triton_adamw_scale.supports(params + grads + exp_avgs + exp_avg_sqs):
+            norms = torch.stack([n.float() for n in torch._foreach_norm(params)])
+            triton_adamw_scale.fused_update(
+                self._tables, params, grads, exp_avgs, exp_avg_sqs, norms, _as_device_tensor(base, device), decay,
+                ok, clip_scale, beta1=beta1, beta2=beta2, eps=group["eps"], has_decay=group["weight_decay"] > 0.0,
+                rms_floor=RMS_FLOOR,
+            )  # fmt: skip
+            return
+        _plain_update(
+            params, grads, exp_avgs, exp_avg_sqs, self._numels(params, device), _as_factor(base, device), decay, ok,
             clip_scale, beta1=beta1, beta2=beta2, eps=group["eps"], has_decay=group["weight_decay"] > 0.0,
         )  # fmt: skip
 
@@ -253,10 +261,10 @@ def _plain_update(
     """One AdamWScale step of plain tensors (one parameter group), in place, nothing read on the host.
 
     base: the per-tensor step sizes before the RMS factor (a float, or a device tensor per tensor);
-    decay: -lr * weight_decay (float or 0-d device tensor); ok: the finite flag (None: no guard);
+    decay: -lr * weight_decay; ok: the finite flag (None: no guard);
     clip_scale: the gradient clipping factor (0-d device tensor, finite; None: no clipping), applied
-    to the gradients in place as `clip_grad_norm_` does, so compiled it joins the moments' kernel.
-    Eager it runs as torch's foreach kernels; `AdamWScale(compiled=True)` compiles this function.
+    to the gradients in place as `clip_grad_norm_` does. It runs as torch's foreach kernels;
+    `AdamWScale(fused=True)` runs the same arithmetic as one Triton kernel instead.
     """
     if ok is not None:  # a skipped step: zero gradients (non-finite entries included)
         skip = ok == 0
@@ -281,11 +289,10 @@ def _plain_update(
     torch._foreach_div_(denoms, list(sizes.unbind()))
     torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-1.0)
     if has_decay:
-        if ok is None and not isinstance(decay, torch.Tensor):
+        if ok is None:
             torch._foreach_add_(params, params, alpha=decay)
         else:  # p += (decay * ok) * p, the factor a device scalar (1 + decay would round it)
-            factor = decay if ok is None else ok * decay
-            torch._foreach_addcmul_(params, params, [factor] * len(params))
+            torch._foreach_addcmul_(params, params, [ok * decay] * len(params))
 
 
 def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
