@@ -131,10 +131,10 @@ def test_first_step_record_and_line_say_what_the_compile_cache_did(monkeypatch, 
 
 @pytest.mark.parametrize("scope", ["zero3", "blocks", "model"])
 def test_each_compile_scope_compiles_what_it_says_with_the_model_inductor_options(monkeypatch, scope):
-    """ZeRO 3's blocks: each T5 block and the final norms, the loss eager, with the options of the
-    whole-model compile but PDL (measured only without DeepSpeed's gathers between the blocks);
-    `model.compile_scope=blocks` at ZeRO 0-2: the blocks, the norms and the loss, PDL on where torch
-    has it; `model`: the whole forward. A training call runs the compiled block."""
+    """ZeRO 3's blocks: each T5 block and the final norms, the loss eager; `model.compile_scope=blocks`
+    at ZeRO 0-2: the blocks, the norms and the loss; both with the options of the whole-model compile
+    but PDL (its gain is measured on the whole-model graph only); `model`: the whole forward. A
+    training call runs the compiled block."""
     from training.compile_settings import compile_model
     from training.model.config import T5Config
     from training.model.t5 import T5ForConditionalGeneration
@@ -163,8 +163,7 @@ def test_each_compile_scope_compiles_what_it_says_with_the_model_inductor_option
         if name == "rms_norm":
             continue
         assert kwargs["fullgraph"] is True and kwargs["options"].items() >= MODEL_INDUCTOR_OPTIONS.items()
-        pdl = kwargs["options"].get(INDUCTOR_PDL_OPTION)
-        assert pdl is None or pdl is (scope == "blocks")
+        assert not kwargs["options"].get(INDUCTOR_PDL_OPTION, False)
     block = model.encoder.block[1]
     h = torch.randn(2, 5, block.layer[0].SelfAttention.q.in_features)
     assert block(h, None, None)[0] == "compiled"

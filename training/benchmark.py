@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from training.compile_settings import compile_cache_outcomes, compile_options
+from training.compile_settings import compile_cache_outcomes, compile_model, compile_options
 from training.config import DataConfig
 from training.data.objectives import build_objective
 from training.determinism import set_deterministic
@@ -166,7 +166,7 @@ def _run_variant(variant: dict, args: argparse.Namespace, device: torch.device) 
     # as training compiles the model
     options = compile_options(variant["mode"] or "default") if variant["compile"] else None
     if variant["compile"] and variant["regional"]:
-        model.compile_blocks(options=options)
+        compile_model(model, "blocks", variant["mode"] or "default")
     elif variant["compile"]:
         loss_fn = torch.compile(loss_fn, fullgraph=args.fullgraph, options=options)
 
