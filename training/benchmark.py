@@ -14,23 +14,24 @@ the step's graphs (hit: a process before this one compiled the same code).
     python -m training.benchmark --trace step.json && python tools/trace_gaps.py step.json
 
 A variant is a comma list of: an attention backend (triton|sdpa|math), compile|nocompile,
-fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), optfused|opteager (AdamWScale's update as
-one Triton kernel or torch's foreach kernels, as the run config's optim.compile), clipinstep|
-clipbefore (AdamWScale clips the gradients inside its step, as training runs at ZeRO 0 do, or torch's
-clip_grad_norm_ runs before the step; training/grad_clip.py), bf16residual|fp32residual (T5Config.residual_dtype
-"autocast" or "float32"), quackffn|cublasffn (T5Config.ffn_kernel "quack": the gated FFN's GELU in
-the epilogues of QuACK's GEMMs, needs quack-kernels and sm90+; or "default": cuBLAS GEMMs and our
-GELU kernels), deterministic (training/determinism.py, as the run config's `deterministic`),
-regional|wholemodel (torch.compile each T5 block, the final norms and the loss on their own, as
-training does with `model.compile_scope=blocks`, or the whole step as one graph, the default), objective=ul2|prefix_lm (one batch of that objective, training/data/objectives.py, from random
-raw tokens at --input-length: its padded targets and attention mask; tokens/s and FLOPs count the real
-lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's), bias=auto|dense|row
-(T5Config.attention_bias_layout), ckpt=none|block|selective (T5Config.activation_checkpointing), hf
-(transformers' T5ForConditionalGeneration of the same config in place of ours: the model nanoT5
-trains; its own attention and loss, gradient checkpointing for any ckpt= but none). Each variant
-prints one table row, ending with the loss of the last step and the sum of every parameter after it
-(two runs of the same variant are bit-identical when both are `deterministic`); --json appends one
-JSON object per variant to a file.
+fusedce|nofusedce, bs=N, mode=MODE (torch.compile mode), optfused|opteager (AdamWScale's update as one
+Triton kernel or torch's foreach kernels, as the run config's optim.compile), clipinstep|clipbefore
+(AdamWScale clips the gradients inside its step, as training runs at ZeRO 0 do, or torch's
+clip_grad_norm_ runs before the step; training/grad_clip.py), bf16residual|fp32residual
+(T5Config.residual_dtype "autocast" or "float32"), quackffn|cublasffn (T5Config.ffn_kernel "quack":
+the gated FFN's GELU in the epilogues of QuACK's GEMMs, needs quack-kernels and sm90+; or "default":
+cuBLAS GEMMs and our GELU kernels), deterministic (training/determinism.py, as the run config's
+`deterministic`), regional|wholemodel (torch.compile each T5 block, the final norms and the loss on
+their own, as training does with `model.compile_scope=blocks`, or the whole step as one graph, the
+default), objective=ul2|prefix_lm (one batch of that objective, training/data/objectives.py, from
+random raw tokens at --input-length: its padded targets and attention mask; tokens/s and FLOPs count
+the real lengths), vocab=N (rows of the embedding and head: 32128 T5's, 250112 mT5's),
+bias=auto|dense|row (T5Config.attention_bias_layout), ckpt=none|block|selective
+(T5Config.activation_checkpointing), hf (transformers' T5ForConditionalGeneration of the same config
+in place of ours: the model nanoT5 trains; its own attention and loss, gradient checkpointing for any
+ckpt= but none). Each variant prints one table row, ending with the loss of the last step and the sum
+of every parameter after it (two runs of the same variant are bit-identical when both are
+`deterministic`); --json appends one JSON object per variant to a file.
 """
 
 from __future__ import annotations

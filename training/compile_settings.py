@@ -1,9 +1,10 @@
 """How the model is compiled: torch.compile's options for it, the compile of ZeRO 0-2 (the whole
 forward, or block by block), and what AOTAutograd's compile cache did for the first step.
 
-training/run_setup.py compiles the forward with `compile_forward`; training/zero3_compile.py compiles
-the T5 blocks under ZeRO 3 with the same `compile_options` (less PDL); the step benchmark
-(`python -m training.benchmark`) uses them too, so that it measures what training runs.
+training/run_setup.py compiles the model with `compile_model` (as `model.compile_scope` says);
+training/zero3_compile.py compiles the T5 blocks under ZeRO 3 with the same `compile_options` (less
+PDL); the step benchmark (`python -m training.benchmark`) uses them too, so that it measures what
+training runs.
 """
 
 from __future__ import annotations

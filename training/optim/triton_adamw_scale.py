@@ -2,15 +2,15 @@
 
 Why our own kernel: the update is elementwise, and torch.compile of the foreach version
 (`training/optim/adamw_scale.py`, `_plain_update`) fuses it into a few kernels, but compiling that
-graph over T5 base's ~280 tensors takes ~49 s of a cold start on an H100 (inductor's combo-kernel
-code generation), the largest single item of the time to the first step. This kernel is built once
-by Triton (about a second, then cached on disk) and reads and writes every element once, as the
-compiled graph does.
+graph over T5 base's 282 tensors takes 49-56 s of a cold start on an H100 (inductor's combo-kernel
+code generation), the largest single item of the time to the first step. This kernel is built by
+Triton in 0.5 s (then cached on disk), reads and writes every element once, and updates T5 base in
+5.8 ms against the compiled graph's 8.5 (`benchmarks/optimizer_step.py --size base`, one H100).
 
 One launch covers all tensors of one dtype combination: each program takes BLOCK elements of one
 tensor, found through device tables of the tensors' addresses (rebuilt only when an address
-changes), of each program's tensor, of each tensor's first program and of its element count. Per element, in fp32 (the
-storage dtypes are loaded and stored as they are):
+changes), of each program's tensor, of each tensor's first program and of its element count. Per
+element, in fp32 (the storage dtypes are loaded and stored as they are):
 
     g  = 0 if the step is skipped (ok == 0) else g * clip_scale     (written back, as the foreach path)
     m  = b1 * m + (1 - beta1) * g ;  v = b2 * v + (1 - beta2) * g * g   (b1, b2: 1 when skipped)
@@ -26,6 +26,7 @@ foreach path without a GPU.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -39,30 +40,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _adamw_scale_kernel(
-        param_ptrs,
-        grad_ptrs,
-        exp_avg_ptrs,
-        exp_avg_sq_ptrs,  # int64 [n]: addresses of the tensors
+        param_ptrs, grad_ptrs, exp_avg_ptrs, exp_avg_sq_ptrs,  # int64 [n]: the tensors' addresses
         block_tensor,  # int32 [programs]: the tensor of each program
-        first_block,
-        numels,
-        norms,
-        base,  # [n]: first program, elements, L2 norm of p, step size
-        ok_ptr,
-        clip_ptr,  # 0-d float32: the finite flag, the clipping factor (when HAS_OK / HAS_CLIP)
-        beta1,
-        beta2,
-        eps,
-        decay,
-        rms_floor,
-        P_DTYPE: tl.constexpr,
-        G_DTYPE: tl.constexpr,
-        S_DTYPE: tl.constexpr,
-        HAS_OK: tl.constexpr,
-        HAS_CLIP: tl.constexpr,
-        HAS_DECAY: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
+        first_block, numels, norms, base,  # [n]: first program, elements, L2 norm of p, step size
+        ok_ptr, clip_ptr,  # 0-d float32: the finite flag, the clipping factor (read if HAS_OK / HAS_CLIP)
+        beta1, beta2, eps, decay, rms_floor,
+        P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
+        HAS_OK: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         pid = tl.program_id(0)
         t = tl.load(block_tensor + pid)
         n = tl.load(numels + t)
@@ -117,8 +102,6 @@ def supports(tensors: list[torch.Tensor]) -> bool:
 
 
 def _interpreted() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -128,48 +111,38 @@ class TensorTables:
 
     def __init__(self) -> None:
         self._addresses: dict[tuple, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self._blocks: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._blocks: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     def addresses(self, key: tuple, lists: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
         ptrs = tuple(t.data_ptr() for ts in lists for t in ts)
         cached = self._addresses.get(key)
         if cached is None or cached[0] != ptrs:
             host = torch.tensor(ptrs, dtype=torch.int64).view(len(lists), -1)
-            table = (
-                host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-            )
-            self._addresses[key] = cached = (ptrs, table)
+            self._addresses[key] = cached = (ptrs, _to_device(host, device))
         return cached[1]
 
-    def blocks(self, key: tuple, params: list[torch.Tensor], device: torch.device):
-        """(tensor of each program as int32, first program of each tensor, element counts) on `device`."""
+    def blocks(self, key: tuple, params: list[torch.Tensor], index: list[int], device: torch.device):
+        """(tensor of each program as int32, first program of each tensor, element counts, the tensors'
+        positions in the group: int64 for norms and step sizes) on `device`."""
         if key not in self._blocks:
             numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
             programs = (numels + BLOCK - 1) // BLOCK
             firsts = torch.cumsum(programs, 0) - programs
             owner = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), programs)
-            self._blocks[key] = (owner.to(device), firsts.to(device), numels.to(device))
+            self._blocks[key] = tuple(_to_device(t, device) for t in (owner, firsts, numels, torch.tensor(index)))
         return self._blocks[key]
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`; to a GPU through pinned memory, so the host does not wait for the GPU."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def fused_update(
-    tables: TensorTables,
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    norms: torch.Tensor,
-    base: torch.Tensor,
-    decay: float,
-    ok: torch.Tensor | None,
-    clip_scale: torch.Tensor | None,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    has_decay: bool,
-    rms_floor: float,
-) -> None:
+    tables: TensorTables, params, grads, exp_avgs, exp_avg_sqs, norms: torch.Tensor, base: torch.Tensor,
+    decay: float, ok: torch.Tensor | None, clip_scale: torch.Tensor | None, *, beta1: float, beta2: float,
+    eps: float, has_decay: bool, rms_floor: float,
+) -> None:  # fmt: skip
     """One AdamWScale step of `params` in place (see the module docstring), one launch per dtype
     combination. norms: float32 [n] L2 norms of the params before the step; base: float32 [n] step
     sizes before the RMS factor; decay: -lr * weight_decay; ok, clip_scale: 0-d float32 or None."""
@@ -184,8 +157,8 @@ def fused_update(
         lists = [[ts[i] for i in idx] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
         key = tuple(id(p) for p in lists[0])
         addresses = tables.addresses(key, lists, device)
-        block_tensor, first_block, numels = tables.blocks(key, lists[0], device)
-        sel = slice(None) if len(idx) == len(params) else torch.tensor(idx, device=device)
+        block_tensor, first_block, numels, index = tables.blocks(key, lists[0], idx, device)
+        sel = slice(None) if len(idx) == len(params) else index
         _adamw_scale_kernel[(block_tensor.numel(),)](
             addresses[0], addresses[1], addresses[2], addresses[3], block_tensor, first_block, numels,
             norms[sel].contiguous(), base[sel].contiguous(), dummy if ok is None else ok,
