@@ -214,9 +214,8 @@ class AdamWScale(PartitionAwareMixin, torch.optim.Optimizer):
         grads = [p.grad for p in params]
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in group_states], [s["exp_avg_sq"] for s in group_states]
         if self.fused and triton_adamw_scale.supports(params + grads + exp_avgs + exp_avg_sqs):
-            norms = torch.stack([n.float() for n in torch._foreach_norm(params)])
             triton_adamw_scale.fused_update(
-                self._tables, params, grads, exp_avgs, exp_avg_sqs, norms, _as_device_tensor(base, device), decay,
+                self._tables, params, grads, exp_avgs, exp_avg_sqs, _tensor_norms(params), _as_device_tensor(base, device), decay,
                 ok, clip_scale, beta1=beta1, beta2=beta2, eps=group["eps"], has_decay=group["weight_decay"] > 0.0,
                 rms_floor=RMS_FLOOR,
             )  # fmt: skip
@@ -279,8 +278,7 @@ def _plain_update(
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
     denoms = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(denoms, eps)
-    norms = torch.stack([n.float() for n in torch._foreach_norm(params)])
-    rms = norms / numels.sqrt()
+    rms = _tensor_norms(params) / numels.sqrt()
     sizes = rms.clamp_min(RMS_FLOOR) * base
     if ok is not None:
         sizes = sizes * ok  # a skipped step moves nothing
@@ -303,12 +301,14 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
 
 
+def _tensor_norms(params: list[torch.Tensor]) -> torch.Tensor:
+    """float32 [n]: the L2 norm of each of `params` (the RMS factor's input)."""
+    return torch.stack([n.float() for n in torch._foreach_norm(params)])
+
+
 def _as_device_tensor(values: list[float], device: torch.device) -> torch.Tensor:
     """float32 tensor on `device`, copied from pinned memory without waiting for the GPU."""
-    host = torch.tensor(values, dtype=torch.float32)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return triton_adamw_scale.to_device(torch.tensor(values, dtype=torch.float32), device)
 
 
 def _as_factor(values: list[float], device: torch.device) -> float | torch.Tensor:

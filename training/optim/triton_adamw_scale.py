@@ -118,7 +118,7 @@ class TensorTables:
         cached = self._addresses.get(key)
         if cached is None or cached[0] != ptrs:
             host = torch.tensor(ptrs, dtype=torch.int64).view(len(lists), -1)
-            self._addresses[key] = cached = (ptrs, _to_device(host, device))
+            self._addresses[key] = cached = (ptrs, to_device(host, device))
         return cached[1]
 
     def blocks(self, key: tuple, params: list[torch.Tensor], index: list[int], device: torch.device):
@@ -129,11 +129,11 @@ class TensorTables:
             programs = (numels + BLOCK - 1) // BLOCK
             firsts = torch.cumsum(programs, 0) - programs
             owner = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), programs)
-            self._blocks[key] = tuple(_to_device(t, device) for t in (owner, firsts, numels, torch.tensor(index)))
+            self._blocks[key] = tuple(to_device(t, device) for t in (owner, firsts, numels, torch.tensor(index)))
         return self._blocks[key]
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` on `device`; to a GPU through pinned memory, so the host does not wait for the GPU."""
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
