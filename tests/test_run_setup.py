@@ -135,10 +135,9 @@ def test_each_compile_scope_compiles_what_it_says_with_the_model_inductor_option
     at ZeRO 0-2: the blocks, the norms and the loss; both with the options of the whole-model compile
     but PDL (its gain is measured on the whole-model graph only); `model`: the whole forward. A
     training call runs the compiled block."""
-    from training.compile_settings import compile_model
+    from training.compile_settings import block_compile_options, compile_model
     from training.model.config import T5Config
     from training.model.t5 import T5ForConditionalGeneration
-    from training.zero3_compile import block_compile_options
 
     calls = []
 

@@ -10,7 +10,7 @@ partitions ("size mismatch, got input (65536x768), vec (0)", DeepSpeed 0.19.8, t
 - "blocks" (default): every `T5Block` becomes a ZeRO 3 *leaf module* (DeepSpeed gathers all of a
   block's parameters in one coalesced all-gather when the block is called, and registers no hooks
   inside it), and each block's forward is compiled as one graph (fullgraph), with the inductor
-  settings of the whole-model compile (`training.compile_settings.compile_options`) except PDL. The hooks
+  settings of the whole-model compile except PDL (`training.compile_settings.block_compile_options`). The hooks
   run around the compiled call, so the graph always sees whole parameters. Everything outside the blocks
   (embeddings, the final RMS norms, the head and its loss) stays eager; the final norms are compiled on
   their own. Incremental decoding (a key/value cache) runs the eager forward.
@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from training.compile_settings import compile_options
+from training.compile_settings import block_compile_options
 from training.model.t5 import T5Block
 
 logger = logging.getLogger(__name__)
@@ -67,10 +67,3 @@ def prepare_for_zero3(model: torch.nn.Module, mode: str, ds_config: dict, backen
     logger.info("ZeRO 3: %d T5 blocks are leaf modules (one all-gather per block) and compiled one by one",
                 compiled)
     return compiled
-
-
-def block_compile_options(backend: str) -> dict | None:
-    """Inductor's settings for the blocks under ZeRO 3: those of the whole-model compile
-    (training.compile_settings) less PDL: between the blocks run DeepSpeed's gathers on their own
-    streams, and PDL is measured only where none run (ZeRO 0-2). Other backends (tests use "aot_eager") take none."""
-    return compile_options(pdl=False) if backend == "inductor" else None
