@@ -452,8 +452,11 @@ def test_adamwscale_fused_matches_foreach_on_the_gpu():
         close = dict(rtol=2e-2, atol=1e-3) if a.dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(a, b, **close, msg=f"weight {i}")
         assert s[i]["step"] == s_ref[i]["step"] == 4
-        torch.testing.assert_close(s[i]["exp_avg"], s_ref[i]["exp_avg"], **close)
-        torch.testing.assert_close(s[i]["exp_avg_sq"], s_ref[i]["exp_avg_sq"], **close)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            ref = s_ref[i][moment]
+            if ref.dtype == torch.bfloat16:  # foreach rounds each op to bf16, the kernel once: 2 ulps
+                close = dict(rtol=0, atol=float(ref.abs().max()) * 2**-6)
+            torch.testing.assert_close(s[i][moment], ref, **close, msg=f"{moment} {i}")
 
 
 @pytest.mark.parametrize("device,fused", [("cpu", False), pytest.param("cuda", False, marks=CUDA.marks),

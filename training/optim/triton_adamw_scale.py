@@ -45,6 +45,7 @@ if HAS_TRITON:
         first_block, numels, norms, base,  # [n]: first program, elements, L2 norm of p, step size
         ok_ptr, clip_ptr,  # 0-d float32: the finite flag, the clipping factor (read if HAS_OK / HAS_CLIP)
         beta1, beta2, eps, decay, rms_floor,
+        one_minus_beta1, one_minus_beta2,  # from the host in float64: 1 - 0.999 in fp32 is 1.3e-5 off
         P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr,
         HAS_OK: tl.constexpr, HAS_CLIP: tl.constexpr, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
@@ -77,8 +78,8 @@ if HAS_TRITON:
             g = g * tl.load(clip_ptr)
         if HAS_OK or HAS_CLIP:
             tl.store(g_ptr + offs, g.to(G_DTYPE), mask=mask)
-        m = m * b1 + g * (1.0 - beta1)
-        v = v * b2 + g * g * (1.0 - beta2)
+        m = m * b1 + g * one_minus_beta1
+        v = v * b2 + g * g * one_minus_beta2
         # a zero size makes the divisor infinite and the change 0 (m is finite under the guard)
         p = p - tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v) + eps, size))
         if HAS_DECAY:
@@ -163,6 +164,7 @@ def fused_update(
             addresses[0], addresses[1], addresses[2], addresses[3], block_tensor, first_block, numels,
             norms[sel].contiguous(), base[sel].contiguous(), dummy if ok is None else ok,
             dummy if clip_scale is None else clip_scale, beta1, beta2, eps, decay, rms_floor,
+            1.0 - beta1, 1.0 - beta2,
             P_DTYPE=_TL_DTYPES[p_dtype], G_DTYPE=_TL_DTYPES[g_dtype], S_DTYPE=_TL_DTYPES[s_dtype],
             HAS_OK=ok is not None, HAS_CLIP=clip_scale is not None, HAS_DECAY=has_decay, BLOCK=BLOCK,
             num_warps=NUM_WARPS,
