@@ -18,6 +18,8 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from torch._inductor import list_mode_options
 
+from training.model import triton_access_cache
+
 logger = logging.getLogger(__name__)
 
 # Inductor settings the compiled model runs with, on top of those of torch.compile's mode.
@@ -40,7 +42,10 @@ INDUCTOR_PDL_OPTION = "triton.enable_pdl"
 def compile_options(mode: str = "default", pdl: bool = True) -> dict:
     """torch.compile `options` for the model: those of `mode` plus MODEL_INDUCTOR_OPTIONS (torch.compile
     takes a mode or options, not both), and PDL (INDUCTOR_PDL_OPTION) where this torch has it (torch
-    2.11 has it; torch.compile refuses options it does not know) unless `pdl` is False."""
+    2.11 has it; torch.compile refuses options it does not know) unless `pdl` is False. Every compile of
+    the model takes its options from here, so this is also where torch's analysis of the model's
+    Triton kernels is memoised for the compile (training/model/triton_access_cache.py)."""
+    triton_access_cache.install()
     options = {**list_mode_options(mode), **MODEL_INDUCTOR_OPTIONS}  # "default": {}
     if _inductor_has(INDUCTOR_PDL_OPTION):
         options[INDUCTOR_PDL_OPTION] = pdl

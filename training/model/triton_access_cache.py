@@ -1,0 +1,130 @@
+"""torch's analysis of which tensors a t5ds Triton kernel reads and writes, done once per kernel
+specialization instead of once per launch and stage.
+
+torch.compile keeps the model's Triton kernels in its graph (`torch.library.triton_op`). To know
+which arguments a launch writes, torch compiles the kernel to Triton IR and walks it
+(`identify_accessed_tensors`, 10-100 ms a kernel), for every launch in the graph, and again at each
+stage that needs it (functionalization while AOTAutograd traces, inductor's lowering). T5 base's
+step launches ~300 of them, of about 20 distinct specializations. Measured: AOTAutograd's trace of T5
+base's step with the Triton path (`tools/triton_access_trace.py`, 2 CPU cores, torch 2.13) spends
+11.3-12.2 of its 21.5-23.0 s in 420 such analyses; with this cache 0.7-0.8 s in 21, and the trace
+takes 11.2-13.0 s.
+
+The answer depends only on the kernel and on what torch hands Triton to specialise it: a traced
+tensor (a FakeTensor, or inductor's TensorBox) only by its dtype (torch replaces it by an empty
+tensor of that dtype), a symbolic size not at all, every other argument by its value. `install`
+memoises the analysis under exactly that key, for this package's kernels only; a launch with a real
+tensor (whose address's alignment specialises the kernel), a TMA descriptor or an unhashable argument
+is analysed as torch does. Each caller gets its own copy of the answer. Where torch lacks the function
+or its signature differs, `install` changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_ANALYSIS = "identify_accessed_tensors"
+_PARAMETERS = ["kernel", "kwargs", "tma_descriptor_metadata"]
+_PACKAGE = "training."
+
+
+def _kernel_module(kernel: Any) -> str:
+    """The module a Triton kernel (a JITFunction, or an Autotuner around one) was written in."""
+    while hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return getattr(kernel, "__module__", "") or ""
+
+
+def _kernel_identity(kernel: Any) -> Any:
+    """The kernel as its analysis sees it: a JITFunction itself; an Autotuner (torch wraps each launch
+    given num_warps or num_stages in a new one with a single Config) by its function and its configs'
+    settings, whose first config's values torch adds to the arguments. None for any other wrapper."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, JITFunction):
+        return kernel
+    if isinstance(kernel, Autotuner) and isinstance(kernel.fn, JITFunction):
+        return (kernel.fn, tuple(tuple(sorted(config.all_kwargs().items())) for config in kernel.configs))
+    return None
+
+
+def analysis_key(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: Any) -> tuple | None:
+    """What the analysis of launching `kernel` with `kwargs` depends on, or None where it is not
+    memoised (another package's kernel, a TMA descriptor, a real tensor, an unhashable value)."""
+    if tma_descriptor_metadata or not _kernel_module(kernel).startswith(_PACKAGE):
+        return None
+    from torch._inductor.ir import TensorBox
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    identity = _kernel_identity(kernel)
+    parts = [identity]
+    for name, value in sorted(kwargs.items()):
+        if isinstance(value, (FakeTensor, TensorBox)):
+            parts.append((name, "tensor", value.dtype))
+        elif isinstance(value, torch.Tensor):
+            return None
+        elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or _is_sympy(value):
+            parts.append((name, "symbolic"))
+        else:
+            try:
+                hash(value)
+            except TypeError:
+                return None
+            parts.append((name, type(value), value))  # the type: True, 1 and 1.0 hash alike
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:  # a config's unhashable setting
+        return None
+    return key if identity is not None else None
+
+
+def _is_sympy(value: Any) -> bool:
+    return type(value).__module__.startswith("sympy")
+
+
+def _memoised(analysis: Callable) -> Callable:
+    answers: dict[tuple, Any] = {}
+
+    def memoised(kernel, kwargs, tma_descriptor_metadata):
+        key = analysis_key(kernel, kwargs, tma_descriptor_metadata)
+        if key is None:
+            return analysis(kernel, kwargs, tma_descriptor_metadata)
+        if key not in answers:
+            answers[key] = analysis(kernel, kwargs, tma_descriptor_metadata)
+        return copy.deepcopy(answers[key])
+
+    memoised.__wrapped__ = analysis
+    memoised.__doc__ = analysis.__doc__
+    memoised.answers = answers
+    return memoised
+
+
+def install() -> bool:
+    """Memoise torch's Triton access analysis for this package's kernels (idempotent). True where it
+    is in place; False where this torch has no such function or another signature."""
+    module = importlib.import_module("torch._higher_order_ops.triton_kernel_wrap")
+    analysis = getattr(module, _ANALYSIS, None)
+    if analysis is None:
+        return False
+    if hasattr(analysis, "answers"):
+        return True
+    if list(inspect.signature(analysis).parameters) != _PARAMETERS:
+        return False
+    setattr(module, _ANALYSIS, _memoised(analysis))
+    return True
+
+
+def uninstall() -> None:
+    """Restore torch's own analysis (tests)."""
+    module = importlib.import_module("torch._higher_order_ops.triton_kernel_wrap")
+    analysis = getattr(module, _ANALYSIS, None)
+    if analysis is not None and hasattr(analysis, "answers"):
+        setattr(module, _ANALYSIS, analysis.__wrapped__)
