@@ -34,37 +34,30 @@ _PARAMETERS = ["kernel", "kwargs", "tma_descriptor_metadata"]
 _PACKAGE = "training."
 
 
-def _kernel_module(kernel: Any) -> str:
-    """The module a Triton kernel (a JITFunction, or an Autotuner around one) was written in."""
-    while hasattr(kernel, "fn"):
-        kernel = kernel.fn
-    return getattr(kernel, "__module__", "") or ""
-
-
-def _kernel_identity(kernel: Any) -> Any:
-    """The kernel as its analysis sees it: a JITFunction itself; an Autotuner (torch wraps each launch
-    given num_warps or num_stages in a new one with a single Config) by its function and its configs'
-    settings, whose first config's values torch adds to the arguments. None for any other wrapper."""
+def _jit_function(kernel: Any) -> Any:
+    """The JITFunction a launch runs: the kernel itself, or the one inside the Autotuner torch wraps
+    each launch given num_warps or num_stages in (a new one per launch, with a single Config). None
+    for any other wrapper."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    if isinstance(kernel, JITFunction):
-        return kernel
-    if isinstance(kernel, Autotuner) and isinstance(kernel.fn, JITFunction):
-        return (kernel.fn, tuple(tuple(sorted(config.all_kwargs().items())) for config in kernel.configs))
-    return None
+    if isinstance(kernel, Autotuner):
+        kernel = kernel.fn
+    return kernel if isinstance(kernel, JITFunction) else None
 
 
 def analysis_key(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: Any) -> tuple | None:
     """What the analysis of launching `kernel` with `kwargs` depends on, or None where it is not
     memoised (another package's kernel, a TMA descriptor, a real tensor, an unhashable value)."""
-    if tma_descriptor_metadata or not _kernel_module(kernel).startswith(_PACKAGE):
+    jit = _jit_function(kernel)
+    if jit is None or tma_descriptor_metadata or not jit.fn.__module__.startswith(_PACKAGE):
         return None
     from torch._inductor.ir import TensorBox
     from torch._subclasses.fake_tensor import FakeTensor
 
-    identity = _kernel_identity(kernel)
-    parts = [identity]
+    parts: list[Any] = [jit]
+    if kernel is not jit:  # torch adds the first config's values to the arguments
+        parts.append(tuple(tuple(sorted(config.all_kwargs().items())) for config in kernel.configs))
     for name, value in sorted(kwargs.items()):
         if isinstance(value, (FakeTensor, TensorBox)):
             parts.append((name, "tensor", value.dtype))
@@ -73,17 +66,13 @@ def analysis_key(kernel: Any, kwargs: dict[str, Any], tma_descriptor_metadata: A
         elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or _is_sympy(value):
             parts.append((name, "symbolic"))
         else:
-            try:
-                hash(value)
-            except TypeError:
-                return None
             parts.append((name, type(value), value))  # the type: True, 1 and 1.0 hash alike
     key = tuple(parts)
     try:
         hash(key)
-    except TypeError:  # a config's unhashable setting
+    except TypeError:  # an unhashable argument or config setting
         return None
-    return key if identity is not None else None
+    return key
 
 
 def _is_sympy(value: Any) -> bool:
