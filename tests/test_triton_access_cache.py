@@ -93,7 +93,37 @@ def test_install_leaves_an_analysis_of_another_signature_alone(monkeypatch):
     assert not triton_access_cache.install()
     assert kernel_wrap.identify_accessed_tensors is identify_accessed_tensors
     monkeypatch.delattr(kernel_wrap, "identify_accessed_tensors")
+    monkeypatch.delattr(kernel_wrap, "identify_mutated_tensors", raising=False)
+    assert triton_access_cache.analysis_name() is None
     assert not triton_access_cache.install()
+
+
+def test_install_memoises_the_analysis_of_torch_before_2_13(monkeypatch):
+    """Before torch 2.13 the analysis is `identify_mutated_tensors`, with the same arguments; inductor
+    looks it up on the module at each call, so memoising it there reaches every caller."""
+    import torch._higher_order_ops.triton_kernel_wrap as kernel_wrap
+
+    from training.model.triton_add_norm import _add_rms_norm_fwd_kernel as kernel
+
+    calls = []
+
+    def identify_mutated_tensors(kernel, kwargs, tma_descriptor_metadata):
+        calls.append(kwargs)
+        return ["written"]
+
+    monkeypatch.delattr(kernel_wrap, "identify_accessed_tensors", raising=False)
+    monkeypatch.setattr(kernel_wrap, "identify_mutated_tensors", identify_mutated_tensors, raising=False)
+    assert triton_access_cache.analysis_name() == "identify_mutated_tensors"
+    try:
+        assert triton_access_cache.install()
+        with FakeTensorMode():
+            kwargs = {"H": torch.empty(8), "n_rows": 8, "eps": 1e-6}
+        assert kernel_wrap.identify_mutated_tensors(kernel, kwargs, {}) == ["written"]
+        assert kernel_wrap.identify_mutated_tensors(kernel, kwargs, {}) == ["written"]
+        assert len(calls) == 1
+    finally:
+        triton_access_cache.uninstall()
+    assert kernel_wrap.identify_mutated_tensors is identify_mutated_tensors
 
 
 def test_a_t5_step_traces_with_the_same_writes_and_fewer_analyses():
@@ -116,12 +146,13 @@ def test_the_models_compile_memoises_the_analysis(monkeypatch):
 
     from training.compile_settings import compile_forward
 
+    name = triton_access_cache.analysis_name()
     triton_access_cache.uninstall()
-    assert not hasattr(kernel_wrap.identify_accessed_tensors, "answers")
+    assert not hasattr(getattr(kernel_wrap, name), "answers")
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     try:
         compile_forward(torch.nn.Linear(2, 2))
-        assert hasattr(kernel_wrap.identify_accessed_tensors, "answers")
+        assert hasattr(getattr(kernel_wrap, name), "answers")
     finally:
         triton_access_cache.uninstall()
 

@@ -89,7 +89,8 @@ def trace_step(preset: str, batch: int, inputs: int, targets: int, cache: bool) 
         raise _Stop
 
     triton_access_cache.uninstall()
-    analysis = kernel_wrap.identify_accessed_tensors
+    name = triton_access_cache.analysis_name()
+    analysis = getattr(kernel_wrap, name)
 
     def counted(kernel, kwargs, tma_descriptor_metadata):
         start = time.perf_counter()
@@ -99,7 +100,7 @@ def trace_step(preset: str, batch: int, inputs: int, targets: int, cache: bool) 
             spent["calls"] += 1
             spent["seconds"] += time.perf_counter() - start
 
-    kernel_wrap.identify_accessed_tensors = counted
+    setattr(kernel_wrap, name, counted)
     if cache:
         triton_access_cache.install()
     start = time.perf_counter()
@@ -108,7 +109,7 @@ def trace_step(preset: str, batch: int, inputs: int, targets: int, cache: bool) 
             aot_function(loss, fw_compiler=None, partition_fn=keep)(params, ids, labels)
     finally:
         triton_access_cache.uninstall()
-        kernel_wrap.identify_accessed_tensors = analysis
+        setattr(kernel_wrap, name, analysis)
     seconds = time.perf_counter() - start
     writes = [
         (str(node.kwargs["kernel_idx"]), tuple(node.kwargs["tensors_to_clone"]))

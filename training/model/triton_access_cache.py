@@ -3,7 +3,8 @@ specialization instead of once per launch and stage.
 
 torch.compile keeps the model's Triton kernels in its graph (`torch.library.triton_op`). To know
 which arguments a launch writes, torch compiles the kernel to Triton IR and walks it
-(`identify_accessed_tensors`, 10-100 ms a kernel), for every launch in the graph, and again at each
+(`identify_accessed_tensors`; `identify_mutated_tensors` before torch 2.13, with the same arguments;
+10-100 ms a kernel), for every launch in the graph, and again at each
 stage that needs it (functionalization while AOTAutograd traces, inductor's lowering). T5 base's
 step launches ~300 of them, of about 20 distinct specializations. Measured: AOTAutograd's trace of T5
 base's step with the Triton path (`tools/triton_access_trace.py`, 2 CPU cores, torch 2.13) spends
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-_ANALYSIS = "identify_accessed_tensors"
+_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")  # torch >= 2.13, older
 _PARAMETERS = ["kernel", "kwargs", "tma_descriptor_metadata"]
 _PACKAGE = "training."
 
@@ -96,24 +97,32 @@ def _memoised(analysis: Callable) -> Callable:
     return memoised
 
 
+def analysis_name() -> str | None:
+    """The name of this torch's analysis in torch._higher_order_ops.triton_kernel_wrap, or None."""
+    module = importlib.import_module("torch._higher_order_ops.triton_kernel_wrap")
+    return next((name for name in _ANALYSES if hasattr(module, name)), None)
+
+
 def install() -> bool:
     """Memoise torch's Triton access analysis for this package's kernels (idempotent). True where it
     is in place; False where this torch has no such function or another signature."""
     module = importlib.import_module("torch._higher_order_ops.triton_kernel_wrap")
-    analysis = getattr(module, _ANALYSIS, None)
-    if analysis is None:
+    name = analysis_name()
+    if name is None:
         return False
+    analysis = getattr(module, name)
     if hasattr(analysis, "answers"):
         return True
     if list(inspect.signature(analysis).parameters) != _PARAMETERS:
         return False
-    setattr(module, _ANALYSIS, _memoised(analysis))
+    setattr(module, name, _memoised(analysis))
     return True
 
 
 def uninstall() -> None:
     """Restore torch's own analysis (tests)."""
     module = importlib.import_module("torch._higher_order_ops.triton_kernel_wrap")
-    analysis = getattr(module, _ANALYSIS, None)
+    name = analysis_name()
+    analysis = getattr(module, name) if name else None
     if analysis is not None and hasattr(analysis, "answers"):
-        setattr(module, _ANALYSIS, analysis.__wrapped__)
+        setattr(module, name, analysis.__wrapped__)
