@@ -19,6 +19,7 @@ from training.model.attention import (
 )
 from training.model.flops import model_flops_per_step
 from training.model.generation import beam_search_generate
+from training.model.t5 import T5Stack
 
 
 def mesh_tf_bucket(rel: int, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> int:
@@ -507,6 +508,39 @@ def test_compile_pointwise_keeps_loss_and_gradients():
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         # fp32 reductions fused in another order: ~2e-6 of the gradient's scale
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5 * float(a.grad.abs().max()), msg=name)
+
+
+def test_decoder_projects_every_blocks_cross_attention_up_front_where_no_block_recomputes_it(monkeypatch):
+    """Training without checkpointing projects all decoder blocks' keys and values of the encoder
+    output before the first block (`T5Stack.cross_kv`): the same loss and gradients as each block
+    projecting its own, which ZeRO 3's partitioned weights (each gathered inside its module), block
+    checkpointing (kv recomputed, not kept) and decoding (a cache) keep."""
+    calls = []
+    original = T5Stack.cross_kv
+
+    def counted(self, enc):
+        calls.append(len(self.block))
+        return original(self, enc)
+
+    monkeypatch.setattr(T5Stack, "cross_kv", counted)
+    up_front, per_block = _tiny(), _tiny()
+    per_block.decoder.final_layer_norm.weight.ds_id = 0  # what DeepSpeed ZeRO 3 sets on partitioned weights
+    x = torch.randint(0, up_front.config.vocab_size, (2, 12))
+    y = torch.randint(0, up_front.config.vocab_size, (2, 5))
+    losses = []
+    for model in (up_front, per_block):
+        out = model(input_ids=x, labels=y)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert calls == [len(up_front.decoder.block)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for (name, a), b in zip(up_front.named_parameters(), per_block.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6 * float(a.grad.abs().max()), msg=name)
+    checkpointed = _tiny().train()  # checkpointing applies in training only
+    checkpointed.config.activation_checkpointing = "block"
+    checkpointed(input_ids=x, labels=y).loss.backward()
+    up_front.eval().generate(x, max_new_tokens=3, cuda_graph=False)
+    assert calls == [len(up_front.decoder.block)]
 
 
 def test_residual_dtype_autocast_keeps_bf16_hidden_states_under_autocast_only():

@@ -99,6 +99,7 @@ def test_regional_compile_keeps_loss_and_gradients():
         assert regional.compile_blocks() == 4
         assert all("forward" in vars(block) for block in (*regional.encoder.block, *regional.decoder.block))
         assert "loss_fn" in vars(regional) and T5ForConditionalGeneration.loss_fn is fused_linear_cross_entropy
+        assert "cross_kv" in vars(regional.decoder)  # every block's cross-attention projections, one graph
         for model in (eager, regional):
             loss = model(input_ids=x, labels=y, return_logits=False).loss
             loss.backward()

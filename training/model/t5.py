@@ -118,7 +118,10 @@ class T5Attention(nn.Module):
         causal: bool = False,
         cache: dict | None = None,
         cache_prefix: str = "self",
+        kv: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`kv`: cross-attention's packed [k | v] of `kv_input` where the caller projected it already
+        (`T5Stack.cross_kv`); None projects it here."""
         b, sq, _ = x.shape
         heads = (self.n_heads, self.d_kv)
         dropout_p = self.dropout_rate if self.training else 0.0
@@ -126,7 +129,7 @@ class T5Attention(nn.Module):
             q_src, kv_src = F.linear(x, torch.cat([self.q.weight, self.k.weight, self.v.weight])), None
         else:  # cross-attention: one GEMM for the encoder output's k and v (once when decoding)
             q_src = self.q(x)
-            kv_src = None if cache is None else cache.get(f"{cache_prefix}_kv")
+            kv_src = kv if cache is None else cache.get(f"{cache_prefix}_kv")
             if kv_src is None:
                 kv_src = F.linear(kv_input, torch.cat([self.k.weight, self.v.weight]))
                 if cache is not None:
@@ -303,10 +306,13 @@ class T5Block(nn.Module):
         encoder_key_mask: torch.Tensor | None = None,
         cache: dict | None = None,
         pending: torch.Tensor | None = None,
+        encoder_kv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, this block's FFN output). The FFN output is not yet added to h: the next block's
         first norm adds it, or the stack's final norm (each residual add runs in one kernel with
-        the norm after it). `pending` is the previous block's FFN output (None in block 0)."""
+        the norm after it). `pending` is the previous block's FFN output (None in block 0).
+        `encoder_kv`: this block's cross-attention keys and values, packed, where the stack
+        projected them (`T5Stack.cross_kv`)."""
         sa = self.layer[0]
         if pending is None:
             x = sa.layer_norm(h)
@@ -325,6 +331,7 @@ class T5Block(nn.Module):
                     key_mask=encoder_key_mask,
                     cache=cache,
                     cache_prefix="cross",
+                    kv=encoder_kv,
                 )
             )
         ff = self.layer[-1]
@@ -374,6 +381,14 @@ class T5Stack(nn.Module):
             return rel
         return dense_bias(rel, q_len, k_len)
 
+    def cross_kv(self, encoder_hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        """Each decoder block's cross-attention keys and values of the encoder output, packed [k | v]
+        (batch, encoder length, 2 * heads * d_kv), projected before the first block runs. In one
+        compiled graph (`compile_blocks`, or the whole forward) the gradients the blocks send to the
+        encoder output are summed inside that graph, not by autograd one block at a time."""
+        attn = [block.layer[1].EncDecAttention for block in self.block]
+        return [F.linear(encoder_hidden_states, torch.cat([a.k.weight, a.v.weight])) for a in attn]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -409,6 +424,9 @@ class T5Stack(nn.Module):
         enc_mask = None if encoder_attention_mask is None else encoder_attention_mask.to(torch.bool)
         pending = None  # each block's FFN output, added to h by the next norm (see T5Block.forward)
         policy = self.config.activation_checkpointing if caches is None and self.training else "none"
+        encoder_kvs = [None] * len(self.block)
+        if self.is_decoder and caches is None and policy == "none" and not _gathered_per_module(self):
+            encoder_kvs = self.cross_kv(encoder_hidden_states)
         for i, block in enumerate(self.block):
             h, pending = run_block(
                 policy,
@@ -420,6 +438,7 @@ class T5Stack(nn.Module):
                 enc_mask,
                 None if caches is None else caches[i],
                 pending,
+                encoder_kvs[i],
             )
         return self.dropout(
             self.final_layer_norm(h) if pending is None else self.final_layer_norm(h, pending)[1]
@@ -482,11 +501,12 @@ class T5ForConditionalGeneration(nn.Module):
                 m.act_fn = act
 
     def compile_blocks(self, *, backend: str = "inductor", options: dict | None = None, loss: bool = True) -> int:
-        """torch.compile each T5 block's forward on its own (fullgraph), the final RMS norms and, with
-        `loss`, the fused linear cross-entropy; the embeddings and the relative bias stay eager. The
-        blocks of a stack share one code object, so dynamo traces and inductor compiles each kind of
-        block once, not once per layer: the first step comes sooner than with the whole forward
-        compiled, and the step is slower (no fusion across the blocks' borders; docs/performance.md).
+        """torch.compile each T5 block's forward on its own (fullgraph), the final RMS norms, the
+        decoder's cross-attention projections (`T5Stack.cross_kv`) and, with `loss`, the fused linear
+        cross-entropy; the embeddings and the relative bias stay eager. The blocks of a stack share
+        one code object, so dynamo traces and inductor compiles each kind of block once, not once per
+        layer: the first step comes sooner than with the whole forward compiled, and the step is
+        slower (no fusion across the blocks' borders; docs/performance.md).
         `model.compile_scope=blocks` at ZeRO 0-2 and ZeRO 3's `model.zero3_compile=blocks`
         (training/zero3_compile.py, without the loss). `options`: inductor's (training.compile_settings);
         tests use backend "aot_eager" (options None). Returns the number of blocks compiled."""
@@ -495,6 +515,8 @@ class T5ForConditionalGeneration(nn.Module):
         # and still stops a per-block recompile (48 blocks in XL) early.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         norm = torch.compile(rms_norm, backend=backend)
+        # Under ZeRO 3 the stack never calls cross_kv (see _gathered_per_module), so nothing compiles.
+        self.decoder.cross_kv = torch.compile(self.decoder.cross_kv, fullgraph=True, backend=backend, options=options)
         blocks = 0
         for stack in (self.encoder, self.decoder):
             stack.final_layer_norm.norm_fn = norm
@@ -589,6 +611,12 @@ class T5ForConditionalGeneration(nn.Module):
         )
 
 
+def _gathered_per_module(stack: T5Stack) -> bool:
+    """Whether DeepSpeed ZeRO 3 partitions the stack's weights: each module's are gathered only while
+    its own forward runs, so no block's weights may be read from outside it (`T5Stack.cross_kv`)."""
+    return hasattr(stack.final_layer_norm.weight, "ds_id")
+
+
 def _compiled_block_forward(block: nn.Module, backend: str, options: dict | None):
     """`block.forward` compiled (fullgraph) for `T5ForConditionalGeneration.compile_blocks`; decoding
     with a key/value cache runs the eager forward (a cache grows by one position per step: each length
@@ -596,8 +624,10 @@ def _compiled_block_forward(block: nn.Module, backend: str, options: dict | None
     eager = block.forward
     compiled = torch.compile(eager, fullgraph=True, backend=backend, options=options)
 
-    def forward(h, bias, key_mask, encoder_hidden_states=None, encoder_key_mask=None, cache=None, pending=None):
+    def forward(
+        h, bias, key_mask, encoder_hidden_states=None, encoder_key_mask=None, cache=None, pending=None, encoder_kv=None
+    ):
         fn = eager if cache is not None else compiled
-        return fn(h, bias, key_mask, encoder_hidden_states, encoder_key_mask, cache, pending)
+        return fn(h, bias, key_mask, encoder_hidden_states, encoder_key_mask, cache, pending, encoder_kv)
 
     return forward
