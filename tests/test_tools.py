@@ -173,6 +173,7 @@ def test_attention_backends_comma_lists_are_checked_against_their_choices():
      (["--shape", "dec", "--kernels", "fwd,dkdv"], "the dec attention with 114 queries runs the kernels fwd, oneblock"),
      (["--shape", "cross", "--lengths", "512,512", "--kernels", "dqds"], "runs the kernels fwd, dkdv, dq"),
      (["--shape", "enc", "--kernels", "oneblock"], "runs the kernels fwd, dkdv, dqds"),
+     (["--bias-layout", "row", "--kernels", "dqds"], "runs the kernels fwd, dq, dkdvrow"),
      (["--lengths", "512"], "give two positive integers"),
      (["--shape", "dec", "--lengths", "512,114"], "give equal lengths")],
 )  # fmt: skip
@@ -217,6 +218,33 @@ def test_attention_tiles_sweep_patches_the_table_entry_and_restores_it(monkeypat
     assert "dkdv (32, 128, 4, 2): RuntimeError" not in printed and "(128, 32, 4, 2): RuntimeError" in printed
     assert "best: TILE_TABLES['DKDV']['dec'] = Tiles(block_m=32, block_n=128, warps=4, stages=2)" in printed
     assert printed.count("(current)") == 1
+
+
+def test_attention_sweep_row_case_holds_the_dense_bias_as_its_row():
+    """The row bias the sweep times is the dense one's relative row: expanded as the model expands a
+    row, it is the dense bias, for the encoder's bidirectional buckets and the decoder's causal ones."""
+    from tools.attention_backends import Case
+    from training.model.attention import dense_bias
+
+    for shape, lengths in (("enc", (40, 40)), ("dec", (24, 24))):
+        dense = Case(shape, 1, 2, 8, lengths=lengths, device="cpu")
+        row = Case(shape, 1, 2, 8, lengths=lengths, device="cpu", bias_layout="row")
+        assert row.bias.shape == (2, 2 * lengths[0] - 1) and row.far == dense.far
+        assert torch.equal(dense_bias(row.bias, *lengths), dense.bias)
+
+
+def test_attention_tiles_sweeps_only_square_tiles_of_the_row_kernel(monkeypatch, capsys):
+    """The row bias's dK/dV kernel refuses tiles that are not square: the sweep times only square ones."""
+    pytest.importorskip("triton")
+    import tools.attention_tiles as at
+
+    seen = []
+    monkeypatch.setattr(at, "kernel_ms", lambda call, iters: seen.append(at.ta.TILE_TABLES["DKDV_ROW"]["enc"]) or 1.0)
+    monkeypatch.setattr(at, "timed_call", lambda kernel, case: (None, 1e9))
+    case = argparse.Namespace(causal=False, bias=torch.ones(2, 7), sq=4, sk=4, b=1, h=2, d=8)
+    at.sweep("dkdvrow", case, argparse.Namespace(shape="enc", top=3, iters=1))
+    assert len(seen) == 3 * 2 * 2 and all(tiles.block_m == tiles.block_n for tiles in seen)
+    assert "bias=row" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

@@ -50,11 +50,12 @@ OUTPUTS = ("out", "dq_src", "dkv_src", "dbias")
 
 
 class Case:
-    """Inputs of one attention as the model holds them: packed sources, T5's dense bias (heads, sq, sk)
-    in fp32, an output gradient."""
+    """Inputs of one attention as the model holds them: packed sources, T5's bias in fp32 (dense:
+    (heads, sq, sk); row: its (heads, sq + sk - 1) relative row, as long inputs hand it), an output
+    gradient."""
 
     def __init__(self, shape: str, batch: int, heads: int, d_kv: int, seed: int = 0, lengths=None,
-                 device: str = "cuda"):  # fmt: skip
+                 device: str = "cuda", bias_layout: str = "dense"):  # fmt: skip
         """lengths: (query length, key length) instead of the shape's (equal for self-attention)."""
         sq, sk, self.causal, has_bias = SHAPES[shape]
         sq, sk = lengths or (sq, sk)
@@ -73,6 +74,8 @@ class Case:
         if has_bias:  # T5's bias: a learned value per (head, bucket of key - query)
             table = torch.randn(heads, 32, generator=gen, device=device)
             relative = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None]
+            if bias_layout == "row":  # row[h, k - q + sq - 1] = bias[h, q, k]
+                relative = torch.arange(-(sq - 1), sk, device=device)
             self.bias = table[:, relative_position_bucket(relative, bidirectional=not self.causal)].contiguous()
             self.far = bias_saturation_distance(not self.causal)
         self.dout = torch.randn(batch, sq, hd, generator=gen, **bf16)

@@ -5,7 +5,9 @@ with the bias's gradient where there is a bias. Each kernel is swept alone, the 
 tiles: the forward (`fwd`) and the backward's kernels for this attention. Where the queries fit one
 block (at most triton_attention.SHORT_QUERIES, as T5's 114 targets) that is the one-block kernel
 (`oneblock`); else the dK/dV kernel (`dkdv`) and, with a bias, the kernel that computes dQ = dS K
-from the stored dS (`dqds`), without one the kernel that recomputes the scores for dQ (`dq`).
+from the stored dS (`dqds`), without one the kernel that recomputes the scores for dQ (`dq`). With
+`--bias-layout row` (the bias as its relative row, as the model hands it from 4096 x 4096 query x key
+pairs on) the backward is `dq` and the row's dK/dV kernel (`dkdvrow`, square tiles only).
 
 Each setting (BLOCK_M, BLOCK_N, warps, stages) goes into the attention's entry of the kernel's table
 in triton_attention.TILE_TABLES (the entry of triton_attention.tile_class) while the forward or the
@@ -17,6 +19,7 @@ as the table entry to write into training/model/triton_attention.py.
     python tools/attention_tiles.py --shape dec                # 114 queries: fwd, oneblock
     python tools/attention_tiles.py --shape cross --kernels fwd
     python tools/attention_tiles.py --shape dec --lengths 512,512 --kernels dkdv
+    python tools/attention_tiles.py --lengths 4096,4096 --batch-size 16 --bias-layout row
 """
 
 from __future__ import annotations
@@ -39,13 +42,17 @@ SWEEPS = {  # kernel -> (its key in triton_attention.TILE_TABLES, BLOCK_M, BLOCK
     "dkdv": ("DKDV", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
     "dq": ("DQ", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
     "dqds": ("DQDS", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),
+    "dkdvrow": ("DKDV_ROW", (32, 64, 128), (32, 64, 128), (4, 8), (2, 3)),  # square tiles of these
     # BLOCK_M of the one-block kernel is the most query rows it takes
     "oneblock": ("ONEBLOCK", (ta.SHORT_QUERIES,), (16, 32, 64, 128), (4, 8), (1, 2, 3)),
 }
 
 
-def backward_kernels(causal: bool, has_bias: bool, queries: int) -> list[str]:
-    """The kernels (SWEEPS keys) that the backward of such an attention runs."""
+def backward_kernels(causal: bool, has_bias: bool, queries: int, row: bool = False) -> list[str]:
+    """The kernels (SWEEPS keys) that the backward of such an attention runs (row: with the bias as
+    its relative row)."""
+    if row and has_bias:
+        return ["dq", "dkdvrow"]
     if ta.one_block_applies(ta.tile_class(causal, has_bias, queries), queries):
         return ["oneblock"]
     return ["dkdv", "dqds" if has_bias else "dq"]
@@ -85,8 +92,11 @@ def sweep(kernel: str, case: Case, args: argparse.Namespace) -> list[tuple[float
     table, key = ta.TILE_TABLES[name], ta.tile_class(case.causal, case.bias.numel() > 0, case.sq)
     current = table[key]
     rows = []
+    settings = itertools.starmap(ta.Tiles, itertools.product(block_ms, block_ns, warps_list, stages_list))
+    if name == "DKDV_ROW":  # the row's band of dS tiles lines up per diagonal only with square tiles
+        settings = [tiles for tiles in settings if tiles.block_m == tiles.block_n]
     try:
-        for tiles in itertools.starmap(ta.Tiles, itertools.product(block_ms, block_ns, warps_list, stages_list)):
+        for tiles in settings:
             table[key] = tiles
             try:
                 ms = kernel_ms(call, args.iters)
@@ -98,8 +108,9 @@ def sweep(kernel: str, case: Case, args: argparse.Namespace) -> list[tuple[float
         table[key] = current
     rows.sort()
     what = "forward" if kernel == "fwd" else "whole backward"
+    bias = {0: "no", 2: "row"}.get(case.bias.dim() if case.bias.numel() else 0, "dense")
     print(f"\n## {kernel} ({what}): {args.shape} b{case.b} {case.sq} x {case.sk} h{case.h} d{case.d}, "
-          f"causal={'yes' if case.causal else 'no'}, bias={'yes' if case.bias.numel() else 'no'}, "
+          f"causal={'yes' if case.causal else 'no'}, bias={bias}, "
           f"TILE_TABLES[{name!r}][{key!r}]")  # fmt: skip
     print("| BLOCK_M | BLOCK_N | warps | stages | ms | TFLOP/s |\n|---|---|---|---|---|---|")
     shown = rows[: args.top] + [row for row in rows[args.top :] if row[1] == current]
@@ -138,13 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--d-kv", type=int, default=64)
     parser.add_argument("--kernels", default="",
                         help=f"comma list of {', '.join(SWEEPS)} (default: the forward and the backward's kernels)")
+    parser.add_argument("--bias-layout", default="dense", choices=("dense", "row"),
+                        help="T5's bias as (heads, queries, keys), or as its relative row (long inputs)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=6, help="rows printed per kernel")
     args = parser.parse_args(argv)
     lengths = parse_lengths(args.lengths, args.shape)
     queries, _, causal, has_bias = SHAPES[args.shape]
     queries = lengths[0] if lengths else queries
-    runs = ["fwd", *backward_kernels(causal, has_bias, queries)]
+    runs = ["fwd", *backward_kernels(causal, has_bias, queries, args.bias_layout == "row")]
     kernels = [k.strip() for k in args.kernels.split(",")] if args.kernels else runs
     for kernel in kernels:
         if kernel not in runs:
@@ -152,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"kernels {', '.join(runs)}")  # fmt: skip
     if not ta.available():
         raise SystemExit("tools/attention_tiles.py needs triton and a CUDA GPU")
-    case = Case(args.shape, args.batch_size, args.heads, args.d_kv, lengths=lengths)
+    case = Case(args.shape, args.batch_size, args.heads, args.d_kv, lengths=lengths, bias_layout=args.bias_layout)
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
     for kernel in kernels:
         sweep(kernel, case, args)
