@@ -90,6 +90,8 @@ def trace_step(preset: str, batch: int, inputs: int, targets: int, cache: bool) 
 
     triton_access_cache.uninstall()
     name = triton_access_cache.analysis_name()
+    if name is None:
+        raise SystemExit(f"torch {torch.__version__} has no Triton access analysis to measure: use torch 2.11 or newer")
     analysis = getattr(kernel_wrap, name)
 
     def counted(kernel, kwargs, tma_descriptor_metadata):
