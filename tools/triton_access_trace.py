@@ -91,7 +91,7 @@ def trace_step(preset: str, batch: int, inputs: int, targets: int, cache: bool) 
     triton_access_cache.uninstall()
     name = triton_access_cache.analysis_name()
     if name is None:
-        raise SystemExit(f"torch {torch.__version__} has no Triton access analysis to measure: use torch 2.11 or newer")
+        raise SystemExit(f"torch {torch.__version__} has neither identify_accessed_tensors nor identify_mutated_tensors to measure")
     analysis = getattr(kernel_wrap, name)
 
     def counted(kernel, kwargs, tma_descriptor_metadata):
