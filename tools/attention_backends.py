@@ -73,9 +73,10 @@ class Case:
         self.far = 0
         if has_bias:  # T5's bias: a learned value per (head, bucket of key - query)
             table = torch.randn(heads, 32, generator=gen, device=device)
-            relative = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None]
             if bias_layout == "row":  # row[h, k - q + sq - 1] = bias[h, q, k]
                 relative = torch.arange(-(sq - 1), sk, device=device)
+            else:
+                relative = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None]
             self.bias = table[:, relative_position_bucket(relative, bidirectional=not self.causal)].contiguous()
             self.far = bias_saturation_distance(not self.causal)
         self.dout = torch.randn(batch, sq, hd, generator=gen, **bf16)

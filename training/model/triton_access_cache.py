@@ -4,12 +4,13 @@ specialization instead of once per launch and stage.
 torch.compile keeps the model's Triton kernels in its graph (`torch.library.triton_op`). To know
 which arguments a launch writes, torch compiles the kernel to Triton IR and walks it
 (`identify_accessed_tensors`; `identify_mutated_tensors` before torch 2.13, with the same arguments;
-10-100 ms a kernel), for every launch in the graph, and again at each
-stage that needs it (functionalization while AOTAutograd traces, inductor's lowering). T5 base's
-step launches ~300 of them, of about 20 distinct specializations. Measured: AOTAutograd's trace of T5
-base's step with the Triton path (`tools/triton_access_trace.py`, 2 CPU cores, torch 2.13) spends
-11.3-12.2 of its 21.5-23.0 s in 420 such analyses; with this cache 0.7-0.8 s in 21, and the trace
-takes 11.2-13.0 s.
+10-100 ms a kernel), for every launch in the graph, and again at each stage that needs it
+(functionalization while AOTAutograd traces, inductor's lowering). T5 base's step launches ~300 of
+them, of about 20 distinct specializations. Measured: AOTAutograd's trace of T5 base's step with the
+Triton path (`tools/triton_access_trace.py`, 2 CPU cores, torch 2.13) spends 11.3-12.2 of its
+21.5-23.0 s in 420 such analyses; with this cache 0.7-0.8 s in 21, and the trace takes 11.2-13.0 s.
+On one H100 (torch 2.11) the cold first step of T5 base takes 70-85 s instead of 101-134 s
+(docs/performance.md).
 
 The answer depends only on the kernel and on what torch hands Triton to specialise it: a traced
 tensor (a FakeTensor, or inductor's TensorBox) only by its dtype (torch replaces it by an empty
