@@ -9,7 +9,7 @@ which arguments a launch writes, torch compiles the kernel to Triton IR and walk
 them, of about 20 distinct specializations. Measured: AOTAutograd's trace of T5 base's step with the
 Triton path (`tools/triton_access_trace.py`, 2 CPU cores, torch 2.13) spends 11.3-12.2 of its
 21.5-23.0 s in 420 such analyses; with this cache 0.7-0.8 s in 21, and the trace takes 11.2-13.0 s.
-On one H100 (torch 2.11) the cold first step of T5 base takes 70-85 s instead of 101-134 s
+On one H100 (torch 2.11) the cold first step of T5 base takes 46-49 s instead of 71-76 s
 (docs/performance.md).
 
 The answer depends only on the kernel and on what torch hands Triton to specialise it: a traced
