@@ -2,7 +2,8 @@
 
 Runs `training/pretrain.py` once per DeepSpeed config for a fixed number of steps and prints, per
 run: seconds/step (median of the logging windows after the first two, which hold compilation),
-tokens/s, MFU, peak GPU memory, the time each step waited for the loader, and the last loss. The
+tokens/s, MFU, peak GPU memory, the time each step waited for the loader, the last loss, and how
+long the first step took to launch (torch.compile included) with what the compile cache did. The
 same global batch and seed everywhere, so the stages see the same data; their bf16 steps still
 differ in rounding (each stage sums and casts the gradients its own way), so on a short run at
 nanoT5's learning rate the last losses drift apart. Equality across stages is tested on CPU in fp32
@@ -89,6 +90,7 @@ def summarise(out: Path, returncode: int, log_path: Path, wall_s: float) -> dict
     if not train:
         return {"error": f"no training record (see {log_path})", "wall_s": wall_s}
     steady = train[2:] or train
+    first = [e for e in read_metrics(out / "metrics.jsonl", "event") if e.get("event") == "first_step"]
     return {
         "s_per_step": statistics.median(r["seconds_per_step"] for r in steady),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
@@ -98,8 +100,19 @@ def summarise(out: Path, returncode: int, log_path: Path, wall_s: float) -> dict
         "first_loss": train[0]["loss"],
         "last_loss": train[-1]["loss"],
         "last_step": train[-1]["step"],
+        "first_step_s": first[0]["seconds"] if first else None,
+        "compile_cache": first[0].get("compile_cache", {}) if first else {},
         "wall_s": wall_s,
     }
+
+
+def first_step(row: dict) -> str:
+    """The first step's seconds and the compile cache's outcome ("44.2 (miss 1)"), "-" where no run
+    logged it."""
+    if row.get("first_step_s") is None:
+        return "-"
+    cache = ", ".join(f"{k} {n}" for k, n in row["compile_cache"].items()) or "not compiled"
+    return f"{row['first_step_s']:.1f} ({cache})"
 
 
 def run_one(ds_config: str, args: argparse.Namespace, overrides: list[str]) -> dict:
@@ -123,7 +136,7 @@ def main() -> int:
     args, overrides = parser.parse_known_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     print(f"{'config':<14}{'s/step':>9}{'tokens/s':>11}{'MFU':>7}{'peak GiB':>10}{'wait ms':>9}"
-          f"{'last loss':>11}{'wall s':>8}", flush=True)
+          f"{'last loss':>11}{'1st step s':>20}{'wall s':>8}", flush=True)
     for name in args.configs.split(","):
         row = run_one(f"ds_configs/{name}.json", args, overrides)
         if "error" in row:
@@ -132,7 +145,7 @@ def main() -> int:
             mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
             print(f"{row['config']:<14}{row['s_per_step']:>9.4f}{row['tokens_per_s']:>11.0f}{mfu:>7}"
                   f"{row['peak_gib']:>10.1f}{row['data_wait_ms']:>9.2f}{row['last_loss']:>11.4f}"
-                  f"{row['wall_s']:>8.0f}", flush=True)
+                  f"{first_step(row):>20}{row['wall_s']:>8.0f}", flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")

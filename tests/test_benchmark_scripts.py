@@ -77,6 +77,7 @@ def test_scaling_script_runs_on_cpu(shards, tmp_path):
     for r in rows:
         assert r["global_batch"] == 4 * r["gpus"] and r["last_step"] == 4 and r["tokens_per_s"] > 0
         assert r["scaling_eff"] > 0
+        assert r["first_step_s"] > 0 and r["compile_cache"] == {}  # CPU: nothing compiled
     # same global batch, same seed: ZeRO 0 and ZeRO 2 end at the same loss on the same GPU count
     for n in (1, 2):
         a, b = (r["last_loss"] for r in rows if r["gpus"] == n)
@@ -84,6 +85,22 @@ def test_scaling_script_runs_on_cpu(shards, tmp_path):
     assert "last losses of zero0, zero2 within" in proc.stdout
     # benchmark runs keep no checkpoint (checkpoint.at_end=false)
     assert not list(out.glob("*/checkpoints/step_*"))
+
+
+def test_engine_step_script_prints_the_first_step_on_cpu(shards, tmp_path):
+    """`benchmarks/engine_step.py`'s row: the step figures and the first step's launch time with what
+    the compile cache did (on CPU nothing is compiled), read back from the run's metrics.jsonl."""
+    cmd = [sys.executable, "benchmarks/engine_step.py", "--data", str(shards), "--config",
+           "training/configs/tiny_demo.yaml", "--configs", "zero0", "--steps", "3", "--log-every", "1",
+           "--out", str(tmp_path / "engine"), "--json", str(tmp_path / "rows.jsonl"), "optim.batch_size=4",
+           "data.input_length=64", "data.num_workers=0", "eval.batch_size=8", "eval.max_samples=16"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    header, line = proc.stdout.splitlines()[:2]
+    assert "1st step s" in header and line.startswith("zero0") and "(not compiled)" in line, proc.stdout
+    (row,) = [json.loads(r) for r in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert row["last_step"] == 3 and 0 < row["first_step_s"] < row["wall_s"] and row["compile_cache"] == {}
+    assert f"{row['first_step_s']:.1f} (not compiled)" in line
 
 
 def test_reshard_resume_script_on_cpu(shards, tmp_path):
