@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from training.metrics import read_metrics  # noqa: E402
+from training.metrics import compile_cache_text, read_metrics  # noqa: E402
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, warmup_default: str = "min(10, steps-1)") -> None:
@@ -86,11 +86,12 @@ def summarise(out: Path, returncode: int, log_path: Path, wall_s: float) -> dict
     first two (which hold compilation)."""
     if returncode != 0 or not (out / "metrics.jsonl").exists():
         return {"error": f"exit {returncode} (see {log_path})", "wall_s": wall_s}
-    train = read_metrics(out / "metrics.jsonl", "train")
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if r.get("kind") == "train"]
     if not train:
         return {"error": f"no training record (see {log_path})", "wall_s": wall_s}
     steady = train[2:] or train
-    first = [e for e in read_metrics(out / "metrics.jsonl", "event") if e.get("event") == "first_step"]
+    first = [r for r in records if r.get("kind") == "event" and r.get("event") == "first_step"]
     return {
         "s_per_step": statistics.median(r["seconds_per_step"] for r in steady),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
@@ -111,7 +112,7 @@ def first_step(row: dict) -> str:
     logged it."""
     if row.get("first_step_s") is None:
         return "-"
-    cache = ", ".join(f"{k} {n}" for k, n in row["compile_cache"].items()) or "not compiled"
+    cache = compile_cache_text(row["compile_cache"]) or "not compiled"
     return f"{row['first_step_s']:.1f} ({cache})"
 
 

@@ -18,6 +18,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from torch._inductor import list_mode_options
 
+from training.metrics import compile_cache_text
 from training.model import triton_access_cache
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def log_first_step(metrics, step: int, seconds: float) -> None:
     if not outcomes:
         logger.info("first step launched in %.1f s", seconds)
         return
-    cache = ", ".join(f"{k} {n}" for k, n in outcomes.items())
+    cache = compile_cache_text(outcomes)
     hint = ""
     if "bypass" in outcomes:  # e.g. an autograd.Function or an autocast context inside the graph
         hint = (" The cache stepped aside for part of it, so every run compiles that part again "

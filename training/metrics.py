@@ -210,6 +210,11 @@ class MetricsLogger:
             self._wandb = None
 
 
+def compile_cache_text(outcomes: dict[str, int]) -> str:
+    """"hit 1, miss 2": what the compile cache did, as a `first_step` event's "compile_cache" holds it."""
+    return ", ".join(f"{k} {n}" for k, n in outcomes.items())
+
+
 def read_metrics(path: str | Path, kind: str | None = None) -> list[dict]:
     """All records of metrics.jsonl (of one kind if given); a torn last line is ignored."""
     records = []
