@@ -199,18 +199,28 @@ def check_row_bias() -> None:
     band (everywhere when far is 0) and per far region, so the bucket table's gradient is exact.
     T5's bias with 8 buckets up to distance 16; lengths of several 16-row tiles and a partial one."""
     heads, d, b = 2, 16, 2
-    cases = [(45, False, True, True), (40, True, True, True), (37, True, False, True), (33, False, False, False)]
+    cases = [(77, False, True, True), (72, True, True, True), (37, True, False, True), (33, False, False, False)]
     for sq, causal, padded, t5_bias in cases:
         far = bias_saturation_distance(not causal, 8, 16) if t5_bias else 0
         tile = ta.DKDV_ROW_TILES["enc"].block_m
         assert not t5_bias or bg.band_radius(far, tile, sq, sq) < -(-sq // tile) - 1, "no tile beyond the band"
+        if sq > 64:  # the long cases: tiles beyond the forward's table of the row, which read its outermost tiles
+            fwd_width = ta._row_tiles(torch.zeros(1, 2 * sq - 1), sq, sq, ta.FWD_TILES["enc"], far)[1]
+            assert fwd_width < -(-sq // tile) - 1, "no tile reads the row's table clamped"
         offsets = torch.arange(-(sq - 1), sq)
         buckets = relative_position_bucket(offsets, not causal, 8, 16)
         table = torch.randn(8, heads)
         row = table[buckets].t().contiguous() if t5_bias else torch.randn(heads, 2 * sq - 1)
         q, k, v, key_mask, qkv, none, dout = _self_attention_inputs(b, sq, heads, d, padded)
-        out, lse = ta._launch_fwd(qkv, none, row, key_mask, causal, heads)
+        out, lse = ta._launch_fwd(qkv, none, row, key_mask, causal, heads, far)
         dqkv, _, drow = ta._launch_bwd(qkv, none, row, key_mask, out, lse, dout, causal, heads, far)
+        if t5_bias:  # tiles beyond far read the table's outermost tiles: the same bias, so the same bits
+            out_0, lse_0 = ta._launch_fwd(qkv, none, row, key_mask, causal, heads)
+            dqkv_0 = ta._launch_bwd(qkv, none, row, key_mask, out_0, lse_0, dout, causal, heads)[0]
+            same = torch.equal(out, out_0) and torch.equal(lse, lse_0) and torch.equal(dqkv, dqkv_0)
+            print(f"row bias, far {far}, {sq}x{sq}: tiles beyond far as without far: {'identical' if same else 'DIFFERENT'}")
+            if not same:
+                raise SystemExit(f"MISMATCH: row bias {sq}x{sq} causal={causal}: far changed out or dq|dk|dv")
         table_r, row_r = table.clone().requires_grad_(), row.clone().requires_grad_()
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         rel = table_r[buckets].t() if t5_bias else row_r

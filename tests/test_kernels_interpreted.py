@@ -46,7 +46,8 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     assert "causal, bias gradient as without far" in out
     # the bias as its row (long inputs): T5's encoder and decoder bias, exact per region; a random row, per offset
     assert out.count("bucket table gradient against math") == 5 and "row gradient per offset" in out
-    assert out.count("row gradient in the band") == 3 and out.count("row bias, far") == 4 * 2 + 3 * 2 + 1
+    assert out.count("row gradient in the band") == 3 and out.count("row bias, far") == 4 * 2 + 3 * 2 + 1 + 3
+    assert out.count("tiles beyond far as without far: identical") == 3  # the row's tile table, clamped at far
     assert out.count("dS summed over the batch") == 4  # 2 shapes x 2 dtypes
     assert out.count("dS batch sum over far regions") == 12  # 2 shapes x 2 dtypes x 3 checks
     for read_in in ("fp16", "fp32"):  # the bias in either dtype: 3 shapes x 4 tensors

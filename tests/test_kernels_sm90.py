@@ -54,10 +54,13 @@ class _Recorder:
         return _Grid()
 
 
-def _attention_launches(sq: int, sk: int, causal: bool, has_bias: bool, key_mask: bool) -> list[tuple]:
+def _attention_launches(
+    sq: int, sk: int, causal: bool, has_bias: bool, key_mask: bool, row: bool = False
+) -> list[tuple]:
     """Every kernel launch of one attention's forward and backward, as the model's step makes them
-    (bf16 packed sources; T5's far distance with a bias, which the encoder's bias gradient uses). With
-    a bias it is a self-attention (sq == sk), without one a cross-attention."""
+    (bf16 packed sources; T5's far distance with a bias, which the encoder's bias gradient and the
+    row's kernels use). With a bias it is a self-attention (sq == sk), without one a
+    cross-attention. row: the bias is given as its (H, SQ + SK - 1) row, as at long inputs."""
     import training.model.triton_attention as ta
     from training.model.attention import bias_saturation_distance
 
@@ -67,7 +70,8 @@ def _attention_launches(sq: int, sk: int, causal: bool, has_bias: bool, key_mask
         q_src, kv_src = torch.empty(B, sq, 3 * hd, **meta), torch.empty(0, **meta)
     else:  # its cross-attention: q and [k | v]
         q_src, kv_src = torch.empty(B, sq, hd, **meta), torch.empty(B, sk, 2 * hd, **meta)
-    bias = torch.empty(HEADS, sq, sk, device="meta") if has_bias else torch.empty(0, device="meta")
+    bias_shape = ((HEADS, sq + sk - 1) if row else (HEADS, sq, sk)) if has_bias else (0,)
+    bias = torch.empty(bias_shape, device="meta")
     mask = torch.empty(B, sk, device="meta", dtype=torch.bool) if key_mask else torch.empty(0, device="meta")
     far = bias_saturation_distance(not causal) if has_bias else 0
     record = _Recorder()
@@ -120,7 +124,8 @@ def _compile_for_sm90(kernel, args: tuple, kwargs: dict) -> tuple[str, str]:
 
 
 # T5 base's attentions in pre-training (inputs 512, targets 114) and longer ones (fine-tuning's
-# targets past 128 queries, which take the two-kernel backward), with and without padding masks.
+# targets past 128 queries, which take the two-kernel backward), with and without padding masks; a
+# long input's encoder, whose bias comes as its row.
 ATTENTIONS = {
     "encoder 512": (512, 512, False, True, False),
     "encoder 512, padded": (512, 512, False, True, True),
@@ -128,6 +133,7 @@ ATTENTIONS = {
     "cross 114 x 512, padded": (114, 512, False, False, True),
     "decoder 200": (200, 200, True, True, False),
     "cross 200 x 512, padded": (200, 512, False, False, True),
+    "encoder 4096, bias as its row": (4096, 4096, False, True, False, True),
 }
 
 

@@ -15,7 +15,8 @@ the relative row's gradient summed along dS's diagonals in the kernel: 1.63 agai
 encoder layer's backward on an H100.) At long inputs the dense bias and the backward's dS
 (batch, heads, q_len, k_len) grow as the square of the length: from ROW_BIAS_FROM_SCORES query x
 key pairs on (`row_bias_applies`), the stack hands the fused kernel the row itself, which it reads
-along the tiles' diagonals, and its backward keeps dS only in a band around the diagonal
+as whole tiles of a table of the tiles near the diagonal (`triton_attention._row_tiles`), and its
+backward keeps dS only in a band around the diagonal
 (`triton_attention._launch_bwd`); other backends get it expanded.
 
 Backends (`T5Config.attention_backend`):

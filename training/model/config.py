@@ -90,7 +90,7 @@ class T5Config:
     activation_checkpointing: str = "none"
     # How a stack hands the fused attention its relative bias: "dense" (expanded to (heads, q, k)
     # once per stack; the kernels read its tiles and the backward stores dS for the bias gradient),
-    # "row" (the (heads, q + k - 1) row, read along the tiles' diagonals; the backward stores no dS,
+    # "row" (the (heads, q + k - 1) row, read as whole tiles of its tile table; the backward stores no dS,
     # memory O(length) instead of O(length^2)) or "auto" (row from
     # attention.ROW_BIAS_FROM_SCORES query x key pairs on). Only the triton backend reads the row.
     attention_bias_layout: str = "auto"

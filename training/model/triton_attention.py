@@ -32,7 +32,9 @@ an H100 at d_kv 64 the element-wise work, not the tensor cores, bounds these ker
 - The bias gradient is the stored dS summed over the batch by `triton_bias_grad.batch_sum`, in one
   fixed order (bit-identical from run to run); in the encoder, given `far`, it reads about half of dS.
 - A relative bias given as its (H, SQ + SK - 1) row (long inputs, `attention.row_bias_applies`):
-  the kernels read it along each tile's diagonals, and the backward stores no dS: dQ recomputed
+  the kernels read it as whole square tiles from a small table of the tiles on and near the
+  diagonal (`_row_tiles`; every tile the same number of blocks off the diagonal is the same), and
+  the backward stores no dS: dQ recomputed
   (`_bwd_dq_kernel`), and the dK/dV kernel, in square tiles (DKDV_ROW_TILES), keeps only the band
   of dS tiles within `far` of the diagonal and sums the others per head and side; the row's
   gradient comes from those (`triton_bias_grad.row_sum`), in fixed orders. The short-query
@@ -174,6 +176,24 @@ def _even(SQ: int, SK: int, tiles: Tiles) -> dict:
     return dict(EVEN_M=SQ % tiles.block_m == 0, EVEN_N=SK % tiles.block_n == 0)
 
 
+def _row_tiles(row: torch.Tensor, SQ: int, SK: int, tiles: Tiles, far: int) -> tuple[torch.Tensor, int]:
+    """A relative bias's (H, SQ + SK - 1) row as the kernels read it, in their (BM, BN) tiles: every
+    tile whose first key is the same distance from its first query is the same, so the row becomes
+    (H, 2 * width + 1, BM, BN), tile w at distance (w - width) * min(BM, BN), and width. Tiles
+    farther off read the outermost ones, which with far > 0 lie wholly beyond far, where the bias is
+    one value per head on each side; with far 0 the table reaches every tile. In 64 x 64 tiles with
+    the far of T5's encoder (91): 7 tiles a head, 56 KiB in fp16 at any length, read as whole
+    tiles, where the row read along each tile's diagonals takes an unaligned load per score."""
+    unit = min(tiles.block_m, tiles.block_n)
+    width = triton.cdiv(max(SQ, SK), unit)  # every tile
+    if far > 0:  # tile w's keys - queries span [w * unit - BM + 1, w * unit + BN - 1]: past far on both sides
+        width = min(width, triton.cdiv(far + max(tiles.block_m, tiles.block_n) - 1, unit))
+    d = torch.arange(-width, width + 1, device=row.device)[:, None, None] * unit
+    offsets = d + torch.arange(tiles.block_n, device=row.device) - torch.arange(tiles.block_m, device=row.device)[:, None]
+    # offsets past the scores (partial tiles' padding, tiles past the ends) read the row's nearest end: masked there
+    return row[:, (offsets + SQ - 1).clamp(0, SQ + SK - 2)].contiguous(), width
+
+
 def _layout(q_src: torch.Tensor, kv_src: torch.Tensor, heads: int) -> tuple[torch.Tensor, int, int, int]:
     """(the tensor holding k and v, d_kv, k column offset, v column offset) of packed sources:
     self-attention q_src = [q | k | v] with kv_src empty, cross-attention kv_src = [k | v]."""
@@ -196,21 +216,26 @@ def _check_lengths(SQ: int, SK: int, causal: bool) -> None:
         )
 
 
-def _launch_fwd(q_src, kv_src, bias, key_mask, causal: bool, heads: int, *, wrap=lambda kernel: kernel):
-    """out (B, SQ, H * D) and the row statistics (2, B, H, SQ) for the backward."""
+def _launch_fwd(
+    q_src, kv_src, bias, key_mask, causal: bool, heads: int, far: int = 0, *, wrap=lambda kernel: kernel
+):
+    """out (B, SQ, H * D) and the row statistics (2, B, H, SQ) for the backward. far: as `_launch_bwd`'s."""
     kv, D, k_off, v_off = _layout(q_src, kv_src, heads)
     B, SQ, SK, H = q_src.shape[0], q_src.shape[1], kv.shape[1], heads
     _check_lengths(SQ, SK, causal)
     out = torch.empty((B, SQ, H * D), dtype=q_src.dtype, device=q_src.device)
     lse = torch.empty((2, B, H, SQ), dtype=torch.float32, device=q_src.device)  # row max (base 2), 1/row sum
     flags = _flags(q_src, bias, key_mask)
-    t = FWD_TILES[tile_class(causal, flags["HAS_BIAS"], SQ)]
+    key = tile_class(causal, flags["HAS_BIAS"], SQ)
+    t = FWD_TILES[key]
+    kbias, width = _kernel_bias(bias, q_src.dtype), 0
+    if _bias_row(bias):
+        kbias, width = _row_tiles(kbias, SQ, SK, t, far)
     grid = (triton.cdiv(SQ, t.block_m), B * H)
     wrap(_fwd_kernel)[grid](
-        q_src, kv, _kernel_bias(bias, q_src.dtype), key_mask, out, lse, *q_src.stride()[:2], *kv.stride()[:2],
-        *out.stride()[:2], k_off, v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
-        BIAS_ROW=_bias_row(bias),
+        q_src, kv, kbias, key_mask, out, lse, *q_src.stride()[:2], *kv.stride()[:2], *out.stride()[:2], k_off,
+        v_off, H, SQ, SK, SK - SQ, B * H * SQ, width, **flags, CAUSAL=causal, D=D, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t), BIAS_ROW=_bias_row(bias),
     )  # fmt: skip
     return out, lse
 
@@ -282,18 +307,31 @@ def _launch_bwd(
             dout, out, delta, *dout.stride()[:2], *out.stride()[:2], H, SQ, D=D, BLOCK_M=DELTA_BLOCK_M,
             EVEN_M=SQ % DELTA_BLOCK_M == 0, num_warps=4,
         )  # fmt: skip
+        tables = {}  # the row's tile table per tile shape: dQ's and dK/dV's tiles are the same by default
+
+        def kernel_bias(t: Tiles) -> tuple[torch.Tensor, int]:
+            if not row:
+                return kbias, 0
+            if (t.block_m, t.block_n) not in tables:
+                tables[t.block_m, t.block_n] = _row_tiles(kbias, SQ, SK, t, far)
+            return tables[t.block_m, t.block_n]
+
         if not has_bias or row:
             t = DQ_TILES[key]
+            dq_bias, width = kernel_bias(t)
             wrap(_bwd_dq_kernel)[(triton.cdiv(SQ, t.block_m), B * H)](
-                q_src, kv, kbias, key_mask, dout, lse, delta, dq_src, *strides, *dq_src.stride()[:2], k_off,
-                v_off, H, SQ, SK, SK - SQ, B * H * SQ, **flags, CAUSAL=causal, D=D, BLOCK_M=t.block_m,
-                BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t), BIAS_ROW=row,
+                q_src, kv, dq_bias, key_mask, dout, lse, delta, dq_src, *strides, *dq_src.stride()[:2], k_off,
+                v_off, H, SQ, SK, SK - SQ, B * H * SQ, width, **flags, CAUSAL=causal, D=D,
+                BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
+                BIAS_ROW=row,
             )  # fmt: skip
         t = DKDV_ROW_TILES[key] if row else DKDV_TILES[key]
+        dkdv_bias, width = kernel_bias(t)
         wrap(_bwd_dkdv_kernel)[(triton.cdiv(SK, t.block_n), B * H)](
-            q_src, kv, kbias, key_mask, dout, lse, delta, dkv, ds, far_sums, *strides, *dkv.stride()[:2], k_off,
-            v_off, H, SQ, SK, SK - SQ, B * H * SQ, radius, **flags, CAUSAL=causal, D=D, BLOCK_M=t.block_m,
-            BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t), BIAS_ROW=row,
+            q_src, kv, dkdv_bias, key_mask, dout, lse, delta, dkv, ds, far_sums, *strides, *dkv.stride()[:2], k_off,
+            v_off, H, SQ, SK, SK - SQ, B * H * SQ, radius, width, **flags, CAUSAL=causal, D=D,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.warps, num_stages=t.stages, **_even(SQ, SK, t),
+            BIAS_ROW=row,
         )  # fmt: skip
         if has_bias and not row:
             t = DQDS_TILES[key]
@@ -334,7 +372,7 @@ if _HAS_TRITON and hasattr(torch.library, "triton_op"):
         far: int,
         settings: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads, wrap=wrap_triton)
+        return _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads, far, wrap=wrap_triton)
 
     @triton_op("t5ds::flash_attention_bwd", mutates_args={})
     def _flash_bwd_op(
@@ -376,7 +414,7 @@ elif _HAS_TRITON:  # older torch: a plain autograd.Function (graph break under t
     class _FlashFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q_src, kv_src, bias, key_mask, causal, heads, far):
-            out, lse = _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads)
+            out, lse = _launch_fwd(q_src, kv_src, bias, key_mask, causal, heads, far)
             ctx.save_for_backward(q_src, kv_src, bias, key_mask, out, lse)
             ctx.causal, ctx.heads, ctx.far = causal, heads, far
             return out, lse

@@ -31,20 +31,29 @@ def _inside(offs_m, offs_n, SQ, SK):
 
 
 @triton.jit
-def _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+def _bias_tile(BIAS, h, offs_m, offs_n, m0, n0, SQ, SK, WIDTH, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                BIAS_ROW: tl.constexpr):
     """(BM, BN) fp32 tile of the (H, SQ, SK) bias (fp32 or fp16 in memory), already in base-2 units
-    (the host multiplies it by log2(e)), for queries offs_m and keys offs_n; zeros without a bias.
-    BIAS_ROW: the bias is a relative one held as its (H, SQ + SK - 1) row, bias[h, q, k] =
-    row[h, k - q + SQ - 1], read along the tile's diagonals. The bias is shared by the batch: the
-    tile comes from L2. EVEN: the tile lies wholly inside the bias (SQ and SK are whole tiles), so
-    the load takes no bounds mask."""
+    (the host multiplies it by log2(e)), for queries offs_m and keys offs_n (first query m0, first
+    key n0); zeros without a bias. The bias is shared by the batch: the tile comes from L2. EVEN:
+    the tile lies wholly inside the bias (SQ and SK are whole tiles), so the load takes no bounds
+    mask. BIAS_ROW: the bias is a relative one, the same in every tile whose first key and first
+    query are the same distance apart, and BIAS holds those tiles (H, 2 * WIDTH + 1, BM, BN), tile w
+    at n0 - m0 = (w - WIDTH) * min(BM, BN); a tile farther off reads the outermost one
+    (`triton_attention._row_tiles`). A whole tile read, contiguous: no bounds mask, no per-score
+    address."""
     if HAS_BIAS:
         if BIAS_ROW:
-            ptrs = BIAS + h * (SQ + SK - 1) + (SQ - 1) + offs_n[None, :] - offs_m[:, None]
+            BM: tl.constexpr = offs_m.shape[0]
+            BN: tl.constexpr = offs_n.shape[0]
+            # m0 and n0 are whole BM and BN (powers of two): their distance is whole units of the smaller
+            off_diagonal = (n0 - m0) // min(BM, BN)
+            slot = tl.minimum(tl.maximum(off_diagonal, -WIDTH), WIDTH) + WIDTH
+            tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            return tl.load(BIAS + (h * (2 * WIDTH + 1) + slot).to(tl.int64) * (BM * BN) + tile).to(tl.float32)
         else:
             ptrs = BIAS + h * SQ * SK + offs_m[:, None] * SK + offs_n[None, :]
-        return _load_tile(ptrs, _inside(offs_m, offs_n, SQ, SK), EVEN).to(tl.float32)
+            return _load_tile(ptrs, _inside(offs_m, offs_n, SQ, SK), EVEN).to(tl.float32)
     else:
         return tl.zeros([offs_m.shape[0], offs_n.shape[0]], dtype=tl.float32)
 
@@ -132,7 +141,7 @@ def _keys_end(pid_m, SK, CAUSAL_OFFSET, BLOCK_M: tl.constexpr, CAUSAL: tl.conste
 
 @triton.jit
 def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OFF, V_OFF,
-                H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
+                H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, WIDTH,
                 HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BIAS_ROW: tl.constexpr):
@@ -150,7 +159,8 @@ def _fwd_kernel(Q, KV, BIAS, KMASK, OUT, LSE, sqb, sqs, skb, sks, sob, sos, K_OF
     for start_n in range(0, end_n, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N, BIAS_ROW)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, pid_m * BLOCK_M, start_n, SQ, SK, WIDTH, HAS_BIAS,
+                          EVEN_M and EVEN_N, BIAS_ROW)
         s = _scores(q, kt, bias, KMASK, b, offs_m, offs_n, SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL,
                     EVEN_N, IEEE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -199,7 +209,7 @@ def _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, del
 @triton.jit
 def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, FAR_SUMS,
                      sqb, sqs, skb, sks, sdob, sdos, sdkb, sdks, K_OFF, V_OFF,
-                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, BAND_RADIUS,
+                     H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, BAND_RADIUS, WIDTH,
                      HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                      IEEE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, BIAS_ROW: tl.constexpr):
@@ -234,7 +244,8 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, FAR_SUMS,
         offs_m = sm + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, offs_m, sqb, sqs, SQ, D, EVEN_M)
         do = _load_rows(DO, b, h, offs_m, sdob, sdos, SQ, D, EVEN_M)
-        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N, BIAS_ROW)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, sm, pid_n * BLOCK_N, SQ, SK, WIDTH, HAS_BIAS,
+                          EVEN_M and EVEN_N, BIAS_ROW)
         p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if HAS_BIAS:
@@ -264,7 +275,7 @@ def _bwd_dkdv_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DKV, DS, FAR_SUMS,
 @triton.jit
 def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ,
                    sqb, sqs, skb, sks, sdob, sdos, sdqb, sdqs, K_OFF, V_OFF,
-                   H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE,
+                   H, SQ, SK, CAUSAL_OFFSET, LSE_STRIDE, WIDTH,
                    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr,
                    EVEN_N: tl.constexpr, BIAS_ROW: tl.constexpr):
@@ -285,7 +296,8 @@ def _bwd_dq_kernel(Q, KV, BIAS, KMASK, DO, LSE, DELTA, DQ,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N, BIAS_ROW)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, pid_m * BLOCK_M, start_n, SQ, SK, WIDTH, HAS_BIAS,
+                          EVEN_M and EVEN_N, BIAS_ROW)
         p, ds = _probs_and_dscores(q, kt, vt, do, bias, KMASK, LSE, DELTA, b, h, H, offs_m, offs_n, SQ, SK,
                                    CAUSAL_OFFSET, LSE_STRIDE, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         dq += _dot(ds.to(q.dtype), tl.trans(kt), IEEE)
@@ -326,7 +338,7 @@ def _bwd_one_block_kernel(Q, KV, BIAS, KMASK, DO, OUT, LSE, DQ, DKV, DS,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt = _load_cols(KV + K_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
         vt = _load_cols(KV + V_OFF, b, h, offs_n, skb, sks, SK, D, EVEN_N)
-        bias = _bias_tile(BIAS, h, offs_m, offs_n, SQ, SK, HAS_BIAS, EVEN_M and EVEN_N, False)
+        bias = _bias_tile(BIAS, h, offs_m, offs_n, 0, start_n, SQ, SK, 0, HAS_BIAS, EVEN_M and EVEN_N, False)
         p, ds = _probs_and_dscores_of_rows(q, kt, vt, do, bias, KMASK, row_max, inv_sum, delta, b, offs_m, offs_n,
                                            SK, CAUSAL_OFFSET, HAS_BIAS, HAS_MASK, CAUSAL, EVEN_N, IEEE)
         if HAS_BIAS:
