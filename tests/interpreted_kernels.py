@@ -205,8 +205,10 @@ def check_row_bias() -> None:
         tile = ta.DKDV_ROW_TILES["enc"].block_m
         assert not t5_bias or bg.band_radius(far, tile, sq, sq) < -(-sq // tile) - 1, "no tile beyond the band"
         if sq > 64:  # the long cases: tiles beyond the forward's table of the row, which read its outermost tiles
-            fwd_width = ta._row_tiles(torch.zeros(1, 2 * sq - 1), sq, sq, ta.FWD_TILES["enc"], far)[1]
-            assert fwd_width < -(-sq // tile) - 1, "no tile reads the row's table clamped"
+            fwd = ta.FWD_TILES["enc"]
+            fwd_width = ta._row_tiles(torch.zeros(1, 2 * sq - 1), sq, sq, fwd, far)[1]
+            fwd_unit = min(fwd.block_m, fwd.block_n)  # the table's tile distances are whole units of it
+            assert fwd_width < -(-sq // fwd_unit) - 1, "no tile reads the row's table clamped"
         offsets = torch.arange(-(sq - 1), sq)
         buckets = relative_position_bucket(offsets, not causal, 8, 16)
         table = torch.randn(8, heads)
