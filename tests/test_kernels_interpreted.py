@@ -56,7 +56,8 @@ def test_kernels_match_torch_in_the_triton_interpreter():
     for targets in (17, 30):
         assert f"tiny T5 loss, triton attention, {targets} targets" in out
     assert "tiny T5 loss, triton attention, bias as its row, 30 targets" in out
-    assert out.count("SelfAttention.relative_attention_bias.weight max error") == 2
+    for stack in ("encoder", "decoder"):  # its own line, whichever parameter is the worst
+        assert f"\n  {stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight " in out, stack
     assert out.count("fused AdamWScale") == 4  # the optimizer's update: guard, clip, decay, bf16 grads
     # decoding: the self-attention kernel over fixed-size caches, and whole generate() calls
     for table in ("own slots", "history table"):
