@@ -87,7 +87,7 @@ class ModelConfig:
     training/model/activation_checkpointing.py."""
     attention_bias_layout: str = "auto"
     """How the fused attention gets T5's relative bias: auto (as its (heads, q + k - 1) row from
-    4096 x 4096 query x key pairs on, where that is the faster step; expanded below) | dense | row.
+    2048 x 2048 query x key pairs on, where that is the faster step; expanded below) | dense | row.
     The row keeps the bias and the backward's dS out of memory that grows with the square of the
     length (training/model/attention.py)."""
     compile: bool = True

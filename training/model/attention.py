@@ -103,12 +103,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "math"
 
 
-# From how many query x key pairs on "auto" hands the fused attention the bias as its row: 4096 x
-# 4096. The row's step is slower below (the backward recomputes dQ where the dense path reuses the
-# stored dS) and faster from there on (T5 base, ~64k input tokens a step, uncompiled, one H200:
-# 2048 inputs 0.2524 s against 0.2411 dense; 4096 0.3121 against 0.3486; 8192 0.4857 against 0.6973
-# at 34.5 GiB against 45.0; docs/performance.md).
-ROW_BIAS_FROM_SCORES = 4096 * 4096
+# From how many query x key pairs on "auto" hands the fused attention the bias as its row: 2048 x
+# 2048. From there on the row's step is the faster one (T5 base, ~64k input tokens a step, one H100:
+# 2048 inputs 0.1991-0.1996 s against 0.2055 dense compiled, 0.2522 against 0.2640 uncompiled; 8192
+# uncompiled 0.4665 against 0.7952 at 34.5 GiB against 45.0); below, the dense one (1024 inputs,
+# uncompiled, one H200: 0.2077 against 0.1909), whose backward reuses the stored dS where the row's
+# recomputes dQ (docs/performance.md).
+ROW_BIAS_FROM_SCORES = 2048 * 2048
 
 
 def row_bias_applies(layout: str, backend: str, device: torch.device, q_len: int, k_len: int) -> bool:
