@@ -253,38 +253,3 @@ def test_gpu_only_tools_say_what_they_need():
         r = subprocess.run([sys.executable, script], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and f"{script} needs triton and a CUDA GPU" in r.stderr, r.stderr[-500:]
 
-
-def test_opaque_triton_ops_meet_every_launch_and_compile_it_ahead(tmp_path, monkeypatch):
-    """tools/opaque_triton_ops.py on a CPU: with the ops opaque, the fake run meets every kernel
-    specialization the decomposed trace launches and leaves no launch in the graph; its workers
-    compile each for sm_90 into Triton's cache, where a launch in this process finds it."""
-    import triton
-    from triton import knobs
-
-    from tools.opaque_triton_ops import _compile, _FirstLaunches, trace
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    decomposed = trace("tiny", 0, opaque=False, batch=2, inputs=64, targets=16)
-    opaque = trace("tiny", 2, opaque=True, batch=2, inputs=64, targets=16)
-    assert decomposed["launches"] > 20 and decomposed["compiled"] == 0 and opaque["launches"] == 0
-    assert opaque["specs"].keys() == decomposed["specs"].keys() and opaque["met"] == len(opaque["specs"]) > 10
-    assert opaque["compiled"] == opaque["met"] and not opaque["error"], opaque["error"]
-    binaries = list(tmp_path.rglob("*.cubin"))
-    assert len(binaries) == opaque["met"] and len({path.name for path in binaries}) >= 5  # one per specialization
-    first_launches, driver = _FirstLaunches(), triton.runtime.driver
-    active = driver._active
-    monkeypatch.setattr(knobs.compilation, "listener", first_launches)
-    try:
-        for module, name, args in opaque["specs"].values():
-            _compile(module, name, args, triton.backends.compiler.GPUTarget("cuda", 90, 32))
-    finally:
-        driver._active = active
-    assert (first_launches.hits, first_launches.misses) == (opaque["met"], 0)
-
-
-def test_opaque_triton_ops_refuses_a_negative_worker_count(capsys):
-    from tools.opaque_triton_ops import main
-    from training.cli_errors import run_main
-
-    assert run_main(main, ["--precompile", "-1", "--trace", "tiny"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --precompile -1: give a number of worker processes, 0 or more"
