@@ -107,8 +107,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 # 2048. From there on the row's step is the faster one (T5 base, ~64k input tokens a step, one H100:
 # 2048 inputs 0.1991-0.1996 s against 0.2055 dense compiled, 0.2522 against 0.2640 uncompiled; 8192
 # uncompiled 0.4665 against 0.7952 at 34.5 GiB against 45.0); below, the dense one (1024 inputs,
-# uncompiled, one H200: 0.2077 against 0.1909), whose backward reuses the stored dS where the row's
-# recomputes dQ (docs/performance.md).
+# uncompiled, one H200, with the row read along each tile's diagonals: 0.2077 against 0.1909), whose
+# backward reuses the stored dS where the row's recomputes dQ (docs/performance.md).
 ROW_BIAS_FROM_SCORES = 2048 * 2048
 
 
